@@ -1,0 +1,198 @@
+"""The latte compiler. :func:`compile_net` is the whole pipeline, one named step at a time.
+
+Set ``LATTE_DUMP=ir`` (or ``ir,llvm``) to print the loop IR after each pass and the LLVM IR.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+from latte.compiler.buffers import BufferPlan, storage_owner
+from latte.compiler.codegen import ModuleBuilder
+from latte.compiler.ir import (Affine, AugAssign, Assign, BinOp, Block, Buffer, Const, Kernel, Load,
+                               Loop, Ref, walk)
+from latte.compiler.jit import CodeLibrary, target
+from latte.compiler.mapping import ConnAccess, analyze_connection, fit_index_map
+from latte.compiler.passes import distribute_loops, match_gemm, prune_dead_gradients
+from latte.compiler.printer import format_ir
+from latte.compiler.synthesis import synthesize, zero_loop
+from latte.errors import MappingError
+from latte.lang import (ActivationEnsemble, DataEnsemble, Ensemble, FieldKind,
+                        NormalizationEnsemble)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive kernels compiled into one native function."""
+
+    name: str
+    kernels: tuple[Kernel, ...]
+
+
+@dataclass(frozen=True)
+class HostStep:
+    """A normalization ensemble's array code, run by the runtime between segments."""
+
+    ensemble: NormalizationEnsemble
+    phase: str
+
+
+@dataclass
+class EnsemblePlan:
+    """What the compiler decided for one ensemble (``latte explain`` prints it)."""
+
+    ensemble: Ensemble
+    accesses: list[ConnAccess]
+    kernels: dict[str, Kernel] = field(default_factory=dict)
+
+    def param_shared_dims(self) -> dict[str, tuple[int, ...]]:
+        """Per parameter, the sink dims along which all neurons share one vector."""
+        out = {}
+        for f in self.ensemble.params:
+            fit = fit_index_map(self.ensemble, f)
+            out[f.name] = tuple(d for d in range(len(self.ensemble.shape))
+                                if all(a.coef(f"%{d}") == 0 for a in fit))
+        return out
+
+
+@dataclass
+class Program:
+    """A compiled net: buffers, the step lists of each phase, and the native code."""
+
+    buffers: BufferPlan
+    forward: list
+    backward: list
+    update: Segment
+    params: list[tuple[Ensemble, str]]
+    plans: list[EnsemblePlan]
+    opt_level: int
+    library: CodeLibrary | None = None
+
+
+def _dump(kind: str, title: str, text: str) -> None:
+    if kind in os.environ.get("LATTE_DUMP", "").split(","):
+        print(f"==== {title}\n{text}", file=sys.stderr)
+
+
+def compile_net(net, opt_level: int = 3) -> Program:
+    """Analyse, synthesize, optimize and JIT-compile ``net``."""
+    bufs = BufferPlan(net.batch_size)
+    _check_activations(net)
+    for ens in net.ensembles:  # every ensemble has values and gradients, used or not
+        bufs.value(ens), bufs.grad(ens)
+    dead = frozenset(bufs.grad(e) for e in net.ensembles
+                     if isinstance(e, DataEnsemble) and not getattr(e, "needs_grad", False))
+    plans = []
+    for ens in net.ensembles:
+        if not isinstance(ens, Ensemble):
+            continue
+        # analysis: mapping functions -> affine access relations (isl)
+        plan = EnsemblePlan(ens, [analyze_connection(c) for c in net.connections_into(ens)])
+        for phase in ("forward", "backward"):
+            # synthesis: neuron body -> loop nest over (batch, ensemble dims), SoA refs
+            kernel = synthesize(ens, phase, plan.accesses, bufs)
+            # data ensembles need no gradient
+            kernel = prune_dead_gradients(kernel, dead)
+            _dump("ir", f"{kernel.name} synthesized", format_ir(kernel))
+            if opt_level >= 1:
+                # split neuron bodies into perfect nests, then match multiply-accumulates
+                kernel = distribute_loops(kernel)
+                kernel = match_gemm(kernel)
+                _dump("ir", f"{kernel.name} after gemm matching", format_ir(kernel))
+            plan.kernels[phase] = kernel
+        plans.append(plan)
+    params = [(e, f.name) for e in net.ensembles if isinstance(e, Ensemble) for f in e.params]
+    by_ens = {p.ensemble: p for p in plans}
+    forward = _steps(net.ensembles, by_ens, "forward", "fwd")
+    backward = _steps(reversed(net.ensembles), by_ens, "backward", "bwd")
+    zero = Kernel("zero_grads", _zero_grads(net, bufs, dead), None, "backward")
+    if backward and isinstance(backward[0], Segment):
+        backward[0] = Segment(backward[0].name, (zero, *backward[0].kernels))
+    else:
+        backward.insert(0, Segment("bwd_zero", (zero,)))
+    update = Segment("update", (_update_kernel(params, bufs),))
+    program = Program(bufs, forward, backward, update, params, plans, opt_level)
+    # codegen: every segment into one LLVM module, then O3 + JIT (or the disk cache)
+    index = {b: i for i, b in enumerate(bufs.buffers.values())}
+    mb = ModuleBuilder(index)
+    for seg in _segments(program):
+        mb.add_segment(seg.name, list(seg.kernels))
+    ir_text = str(mb.module)
+    _dump("llvm", "LLVM IR", ir_text)
+    program.library = target().compile(ir_text)
+    return program
+
+
+def _segments(program: Program):
+    return [s for s in program.forward + program.backward if isinstance(s, Segment)] + [program.update]
+
+
+def _steps(ensembles, by_ens, phase: str, prefix: str) -> list:
+    steps, run = [], []
+
+    def flush():
+        if run:
+            steps.append(Segment(f"{prefix}{len(steps)}", tuple(run)))
+            run.clear()
+
+    for ens in ensembles:
+        if ens in by_ens:
+            kernel = by_ens[ens].kernels[phase]
+            if kernel.body.stmts:
+                run.append(kernel)
+        elif isinstance(ens, NormalizationEnsemble):
+            flush()
+            steps.append(HostStep(ens, phase))
+    flush()
+    return steps
+
+
+def _check_activations(net) -> None:
+    for ens in net.ensembles:
+        if isinstance(ens, ActivationEnsemble):
+            owner = storage_owner(ens)
+            readers = [c.sink.name for c in net.connections if storage_owner(c.source) is owner
+                       and c.source is not ens]
+            readers += [e.name for e in net.ensembles if isinstance(e, NormalizationEnsemble)
+                        and any(storage_owner(i) is owner and i is not ens for i in e.inputs)]
+            if readers:
+                raise MappingError(f"activation {ens.name!r} works in place on {ens.source.name!r}, "
+                                   f"but {readers} also read {ens.source.name!r}; connect them to "
+                                   f"{ens.name!r} instead or use a non in-place layer")
+
+
+def _zero_grads(net, bufs: BufferPlan, dead) -> Block:
+    grads = []
+    for ens in net.ensembles:
+        if not isinstance(ens, ActivationEnsemble):
+            g = bufs.grad(ens)
+            if g not in dead:
+                grads.append(g)
+        if isinstance(ens, Ensemble):
+            grads += [bufs.field_grad(ens, f.name) for f in ens.params]
+    return Block(tuple(zero_loop(g, f"_z{i}") for i, g in enumerate(grads)))
+
+
+def _update_kernel(params, bufs: BufferPlan) -> Kernel:
+    """SGD with momentum: ``hist = mom*hist + lr*(grad + decay*param); param -= hist``.
+
+    The runtime writes ``lr``, ``mom`` and ``decay`` per parameter into the scalar buffer.
+    """
+    scal = bufs.scalars(3 * len(params))
+    stmts = []
+    for p, (ens, name) in enumerate(params):
+        val, grad, hist = bufs.field(ens, name), bufs.field_grad(ens, name), bufs.history(ens, name)
+        i = f"_u{p}"
+        at = lambda b: Ref(b, (Affine.of(i),), (b.size,))  # noqa: E731
+        s = lambda j: Load(Ref(scal, (Affine((), 3 * p + j),), scal.shape))  # noqa: E731
+        new_hist = BinOp("+", BinOp("*", s(1), Load(at(hist))),
+                         BinOp("*", s(0), BinOp("+", Load(at(grad)), BinOp("*", s(2), Load(at(val))))))
+        stmts.append(Loop(i, 0, val.size, Block((Assign(at(hist), new_hist),
+                                                 AugAssign(at(val), "-", Load(at(hist)))))))
+    return Kernel("sgd_update", Block(tuple(stmts)), None, "update")
+
+
+__all__ = ["Program", "Segment", "HostStep", "EnsemblePlan", "compile_net", "format_ir",
+           "Buffer", "Const", "walk"]

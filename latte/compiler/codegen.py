@@ -1,0 +1,301 @@
+"""Codegen: loop IR -> LLVM IR (llvmlite.ir).
+
+Each kernel becomes an internal function taking its buffers as ``noalias`` pointers; a
+*segment* (consecutive kernels run without returning to Python) is an exported function
+``void seg(ptr* buffers)`` that loads the pointers from the runtime's buffer table and calls
+its kernels. Float arithmetic carries ``reassoc contract`` so that reductions vectorize.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+
+from latte.compiler.ir import (Affine, Assign, AugAssign, BinOp, Block, BoolOp, Buffer, Call,
+                               Compare, Const, Expr, Gemm, If, Kernel, Load, Loop, Ref, Select,
+                               UnaryOp, Var, walk)
+from latte.errors import CompileError
+
+F32, I32, I64, I1 = ir.FloatType(), ir.IntType(32), ir.IntType(64), ir.IntType(1)
+PTR = ir.PointerType(F32)
+FAST = ("reassoc", "contract", "nsz")
+SGEMM = "scipy_cblas_sgemm"
+_FCMP = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
+
+
+def _elem_type(buf: Buffer):
+    return I32 if buf.dtype == "int32" else F32
+
+
+class ModuleBuilder:
+    """Builds one LLVM module of segments over a fixed buffer table."""
+
+    def __init__(self, buffer_index: dict[Buffer, int], name: str = "latte"):
+        self.module = ir.Module(name=name)
+        self.buffer_index = buffer_index
+        self._decls: dict[str, ir.Function] = {}
+        self._kernels = 0
+
+    def declare(self, name: str, ret, args) -> ir.Function:
+        fn = self._decls.get(name)
+        if fn is None:
+            fn = self._decls[name] = ir.Function(self.module, ir.FunctionType(ret, args), name)
+        return fn
+
+    def add_segment(self, name: str, kernels: list[Kernel]) -> str:
+        """An exported ``void name(ptr* buffers)`` that runs ``kernels`` in order."""
+        seg = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR.as_pointer()]), name)
+        builder = ir.IRBuilder(seg.append_basic_block("entry"))
+        for kernel in kernels:
+            bufs = sorted({r.buffer for r in walk(kernel.body) if isinstance(r, Ref)}
+                          | _gemm_buffers(kernel.body), key=lambda b: self.buffer_index[b])
+            fn = self._kernel(kernel, bufs)
+            args = []
+            for b in bufs:
+                slot = builder.gep(seg.args[0], [ir.Constant(I64, self.buffer_index[b])], inbounds=True)
+                args.append(builder.load(slot, align=8))
+            builder.call(fn, args)
+        builder.ret_void()
+        return name
+
+    def _kernel(self, kernel: Kernel, bufs: list[Buffer]) -> ir.Function:
+        self._kernels += 1
+        fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * len(bufs)),
+                         f"k{self._kernels}_{_mangle(kernel.name)}")
+        fn.linkage = "internal"
+        for arg in fn.args:
+            arg.add_attribute("noalias")
+        _KernelEmitter(self, fn, dict(zip(bufs, fn.args)), kernel).emit()
+        return fn
+
+
+def _gemm_buffers(node) -> set[Buffer]:
+    return {b for n in walk(node) if isinstance(n, Gemm) for b in (n.a_buf, n.b_buf, n.c_buf)}
+
+
+def _mangle(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+class _KernelEmitter:
+    def __init__(self, mb: ModuleBuilder, fn: ir.Function, args: dict[Buffer, ir.Argument],
+                 kernel: Kernel):
+        self.mb, self.fn, self.args, self.kernel = mb, fn, args, kernel
+        self.entry = fn.append_basic_block("entry")
+        self.b = ir.IRBuilder(self.entry)
+        self.loop_vars: dict[str, ir.Value] = {}
+        self.locals: dict[str, ir.Value] = {}
+
+    def emit(self):
+        self.block(self.kernel.body)
+        self.b.ret_void()
+
+    # ------------------------------------------------------------ statements
+    def block(self, block: Block):
+        for s in block.stmts:
+            self.stmt(s)
+
+    def stmt(self, s):
+        if isinstance(s, Loop):
+            self.loop(s)
+        elif isinstance(s, Block):
+            self.block(s)
+        elif isinstance(s, If):
+            cond = self.cond(s.cond)
+            with self.b.if_else(cond) as (then, orelse):
+                with then:
+                    self.block(s.then)
+                with orelse:
+                    self.block(s.orelse)
+        elif isinstance(s, Assign):
+            self.store(s.target, self.expr(s.value))
+        elif isinstance(s, AugAssign):
+            cur = self.expr(Load(s.target) if isinstance(s.target, Ref) else s.target)
+            self.store(s.target, self.arith(s.op, cur, self.expr(s.value)))
+        elif isinstance(s, Gemm):
+            self.gemm(s)
+        else:
+            raise CompileError(f"codegen: unexpected statement {type(s).__name__}")
+
+    def loop(self, s: Loop):
+        b = self.b
+        pre = b.block
+        header = self.fn.append_basic_block(f"{s.var}.head")
+        body = self.fn.append_basic_block(f"{s.var}.body")
+        exit_ = self.fn.append_basic_block(f"{s.var}.exit")
+        b.branch(header)
+        b.position_at_end(header)
+        iv = b.phi(I64, name=s.var)
+        iv.add_incoming(ir.Constant(I64, s.start), pre)
+        b.cbranch(b.icmp_signed("<", iv, ir.Constant(I64, s.stop)), body, exit_)
+        b.position_at_end(body)
+        self.loop_vars[s.var] = iv
+        self.block(s.body)
+        del self.loop_vars[s.var]
+        nxt = b.add(iv, ir.Constant(I64, 1), name=f"{s.var}.next", flags=("nsw", "nuw"))
+        iv.add_incoming(nxt, b.block)
+        b.branch(header)
+        b.position_at_end(exit_)
+
+    def store(self, target, value):
+        if isinstance(target, Var):
+            self.b.store(self.to_float(value), self.local(target.name))
+            return
+        ty = _elem_type(target.buffer)
+        value = self.to_float(value) if ty is F32 else self.to_int(value, ty)
+        self.b.store(value, self.address(target), align=4)
+
+    def local(self, name: str) -> ir.Value:
+        slot = self.locals.get(name)
+        if slot is None:
+            with self.b.goto_block(self.entry):
+                self.b.position_at_start(self.entry)
+                slot = self.locals[name] = self.b.alloca(F32, name=name)
+                self.b.store(ir.Constant(F32, 0.0), slot)
+        return slot
+
+    def gemm(self, g: Gemm):
+        fn = self.mb.declare(SGEMM, ir.VoidType(),
+                             [I32, I32, I32, I32, I32, I32, F32, PTR, I32, PTR, I32, F32, PTR, I32])
+        ptr = lambda buf, off: self.b.gep(self.args[buf], [self.affine(off)], inbounds=True)  # noqa: E731
+        c = lambda x: ir.Constant(I32, int(x))  # noqa: E731
+        self.b.call(fn, [c(101), c(112 if g.trans_a else 111), c(112 if g.trans_b else 111),
+                         c(g.m), c(g.n), c(g.k), ir.Constant(F32, g.alpha),
+                         ptr(g.a_buf, g.a_off), c(g.lda), ptr(g.b_buf, g.b_off), c(g.ldb),
+                         ir.Constant(F32, g.beta), ptr(g.c_buf, g.c_off), c(g.ldc)])
+
+    # ------------------------------------------------------------ expressions
+    def affine(self, a: Affine) -> ir.Value:
+        out = ir.Constant(I64, a.const)
+        for var, coef in a.terms:
+            term = self.loop_vars[var]
+            if coef != 1:
+                term = self.b.mul(term, ir.Constant(I64, coef), flags=("nsw",))
+            out = self.b.add(out, term, flags=("nsw",))
+        return out
+
+    def address(self, ref: Ref) -> ir.Value:
+        off = ref.offset()
+        if off is not None:
+            idx = self.affine(off)
+        else:
+            idx = ir.Constant(I64, 0)
+            for e, extent in zip(ref.index, ref.view):
+                idx = self.b.add(self.b.mul(idx, ir.Constant(I64, extent)),
+                                 self.to_int(self.expr(e), I64))
+        return self.b.gep(self.args[ref.buffer], [idx], inbounds=True)
+
+    def to_float(self, v: ir.Value) -> ir.Value:
+        if v.type == F32:
+            return v
+        if v.type == I1:
+            return self.b.uitofp(v, F32)
+        return self.b.sitofp(v, F32)
+
+    def to_int(self, v: ir.Value, ty=I64) -> ir.Value:
+        if v.type == ty:
+            return v
+        if isinstance(v.type, ir.IntType):
+            return self.b.sext(v, ty) if v.type.width < ty.width else self.b.trunc(v, ty)
+        return self.b.fptosi(v, ty)
+
+    def cond(self, e: Expr) -> ir.Value:
+        v = self.expr(e)
+        if v.type == I1:
+            return v
+        if v.type == F32:
+            return self.b.fcmp_ordered("!=", v, ir.Constant(F32, 0.0))
+        return self.b.icmp_signed("!=", v, ir.Constant(v.type, 0))
+
+    def arith(self, op: str, a: ir.Value, c: ir.Value) -> ir.Value:
+        b = self.b
+        if op in ("/",) or a.type == F32 or c.type == F32:
+            a, c = self.to_float(a), self.to_float(c)
+            if op == "+":
+                return b.fadd(a, c, flags=FAST)
+            if op == "-":
+                return b.fsub(a, c, flags=FAST)
+            if op == "*":
+                return b.fmul(a, c, flags=FAST)
+            if op == "/":
+                return b.fdiv(a, c, flags=FAST)
+            if op == "//":
+                q = b.fdiv(a, c, flags=FAST)
+                return b.call(self.intrinsic("llvm.floor.f32", 1), [q])
+            if op == "%":
+                return b.fsub(a, b.fmul(c, self.arith("//", a, c), flags=FAST), flags=FAST)
+            if op in ("max", "min"):
+                return b.select(b.fcmp_ordered(">" if op == "max" else "<", a, c), a, c)
+        else:
+            a, c = self.to_int(a), self.to_int(c)
+            ops = {"+": b.add, "-": b.sub, "*": b.mul, "//": b.sdiv, "%": b.srem}
+            if op in ops:
+                return ops[op](a, c)
+            if op in ("max", "min"):
+                return b.select(b.icmp_signed(">" if op == "max" else "<", a, c), a, c)
+        raise CompileError(f"codegen: unknown operator {op!r}")
+
+    def intrinsic(self, name: str, nargs: int) -> ir.Function:
+        return self.mb.declare(name, F32, [F32] * nargs)
+
+    def expr(self, e: Expr) -> ir.Value:
+        b = self.b
+        if isinstance(e, Affine):
+            return self.affine(e)
+        if isinstance(e, Const):
+            if isinstance(e.value, int):
+                return ir.Constant(I64, e.value)
+            return ir.Constant(F32, float(e.value))
+        if isinstance(e, Var):
+            if e.name in self.loop_vars:
+                return self.loop_vars[e.name]
+            return b.load(self.local(e.name))
+        if isinstance(e, Load):
+            if isinstance(e.ref, Var):
+                return self.expr(e.ref)
+            return b.load(self.address(e.ref), align=4)
+        if isinstance(e, BinOp):
+            return self.arith(e.op, self.expr(e.lhs), self.expr(e.rhs))
+        if isinstance(e, UnaryOp):
+            v = self.expr(e.operand)
+            if e.op == "not":
+                return b.not_(self.cond(e.operand))
+            return b.fneg(v, flags=FAST) if v.type == F32 else b.neg(v)
+        if isinstance(e, Compare):
+            lhs, rhs = self.expr(e.lhs), self.expr(e.rhs)
+            if lhs.type == F32 or rhs.type == F32:
+                return b.fcmp_ordered(_FCMP[e.op], self.to_float(lhs), self.to_float(rhs))
+            return b.icmp_signed(e.op, self.to_int(lhs), self.to_int(rhs))
+        if isinstance(e, BoolOp):
+            out = self.cond(e.values[0])
+            for v in e.values[1:]:
+                out = (b.and_ if e.op == "and" else b.or_)(out, self.cond(v))
+            return out
+        if isinstance(e, Call):
+            args = [self.to_float(self.expr(a)) for a in e.args]
+            name = {"exp": "llvm.exp.f32", "log": "llvm.log.f32", "sqrt": "llvm.sqrt.f32",
+                    "abs": "llvm.fabs.f32", "tanh": "llvm.tanh.f32"}[e.fn]
+            return b.call(self.intrinsic(name, 1), args, fastmath=FAST)
+        if isinstance(e, Select):
+            return self.select(e)
+        raise CompileError(f"codegen: unexpected expression {type(e).__name__}")
+
+    def select(self, e: Select) -> ir.Value:
+        """Loads in an arm may be out of bounds (padding): branch rather than ``select``."""
+        cond = self.cond(e.cond)
+        if not any(isinstance(n, Load) for arm in (e.if_true, e.if_false) for n in walk(arm)):
+            t, f = self.expr(e.if_true), self.expr(e.if_false)
+            if t.type != f.type:
+                t, f = self.to_float(t), self.to_float(f)
+            return self.b.select(cond, t, f)
+        b = self.b
+        with b.if_else(cond) as (then, orelse):
+            with then:
+                t = self.to_float(self.expr(e.if_true))
+                t_block = b.block
+            with orelse:
+                f = self.to_float(self.expr(e.if_false))
+                f_block = b.block
+        phi = b.phi(F32)
+        phi.add_incoming(t, t_block)
+        phi.add_incoming(f, f_block)
+        return phi

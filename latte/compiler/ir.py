@@ -1,0 +1,336 @@
+"""The loop IR used from synthesis to codegen: one module of frozen dataclasses.
+
+Index expressions are :class:`Affine` wherever possible: isl, the GEMM matcher and tiling
+read their coefficients. Buffers are objects keyed by ``(owner, field)``; their names are
+only for printing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+
+class Node:
+    """Base of every IR node."""
+
+
+class Expr(Node):
+    """Base of expressions."""
+
+
+class Stmt(Node):
+    """Base of statements."""
+
+
+# ---------------------------------------------------------------- buffers
+
+@dataclass(frozen=True, eq=False)
+class Buffer:
+    """A contiguous array. ``key`` identifies it (``(owner, field)``); ``name`` is for display."""
+
+    key: tuple
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"      # "float32" or "int32"
+    batched: bool = False       # leading dim is the batch
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def __repr__(self) -> str:
+        return f"Buffer({self.name}, {self.shape})"
+
+
+# ---------------------------------------------------------------- expressions
+
+@dataclass(frozen=True)
+class Affine(Expr):
+    """``const + sum(coef * var)`` over integer loop variables."""
+
+    terms: tuple[tuple[str, int], ...] = ()
+    const: int = 0
+
+    @staticmethod
+    def of(var: str | None = None, coef: int = 1, const: int = 0) -> Affine:
+        return Affine(((var, coef),) if var and coef else (), const)
+
+    @staticmethod
+    def build(coeffs: dict[str, int], const: int = 0) -> Affine:
+        return Affine(tuple(sorted((v, c) for v, c in coeffs.items() if c)), int(const))
+
+    @property
+    def coeffs(self) -> dict[str, int]:
+        return dict(self.terms)
+
+    def coef(self, var: str) -> int:
+        return self.coeffs.get(var, 0)
+
+    @property
+    def vars(self) -> frozenset[str]:
+        return frozenset(v for v, _ in self.terms)
+
+    def __add__(self, other: Affine | int) -> Affine:
+        if isinstance(other, int):
+            return Affine(self.terms, self.const + other)
+        c = self.coeffs
+        for v, k in other.terms:
+            c[v] = c.get(v, 0) + k
+        return Affine.build(c, self.const + other.const)
+
+    def __sub__(self, other: Affine | int) -> Affine:
+        return self + (other * -1)
+
+    def __mul__(self, k: int) -> Affine:
+        return Affine.build({v: c * k for v, c in self.terms}, self.const * k)
+
+    def substitute(self, var: str, repl: Affine) -> Affine:
+        c = self.coeffs
+        k = c.pop(var, 0)
+        return Affine.build(c, self.const) + repl * k if k else self
+
+
+@dataclass(frozen=True)
+class Const(Expr):
+    value: float | int
+
+
+@dataclass(frozen=True)
+class Var(Expr):
+    """A loop variable (int) or a local scalar (float)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Ref(Node):
+    """``buffer[index]`` where ``index`` addresses ``view``, a row-major reshape of the buffer."""
+
+    buffer: Buffer
+    index: tuple[Expr, ...]
+    view: tuple[int, ...]
+
+    def offset(self) -> Affine | None:
+        """The flat element offset, if every index entry is affine."""
+        off = Affine()
+        for idx, extent in zip(self.index, self.view):
+            if not isinstance(idx, Affine):
+                return None
+            off = off * extent + idx
+        return off
+
+
+@dataclass(frozen=True)
+class Load(Expr):
+    ref: Ref
+
+
+@dataclass(frozen=True)
+class BinOp(Expr):
+    op: str          # + - * / // % max min
+    lhs: Expr
+    rhs: Expr
+
+
+@dataclass(frozen=True)
+class UnaryOp(Expr):
+    op: str          # neg not
+    operand: Expr
+
+
+@dataclass(frozen=True)
+class Compare(Expr):
+    op: str          # < <= > >= == !=
+    lhs: Expr
+    rhs: Expr
+
+
+@dataclass(frozen=True)
+class BoolOp(Expr):
+    op: str          # and or
+    values: tuple[Expr, ...]
+
+
+@dataclass(frozen=True)
+class Call(Expr):
+    fn: str          # exp log tanh sqrt abs
+    args: tuple[Expr, ...]
+
+
+@dataclass(frozen=True)
+class Select(Expr):
+    cond: Expr
+    if_true: Expr
+    if_false: Expr
+
+
+# ---------------------------------------------------------------- statements
+
+@dataclass(frozen=True)
+class Block(Stmt):
+    stmts: tuple[Stmt, ...] = ()
+
+
+@dataclass(frozen=True)
+class Assign(Stmt):
+    target: Ref | Var
+    value: Expr
+
+
+@dataclass(frozen=True)
+class AugAssign(Stmt):
+    target: Ref | Var
+    op: str          # + - * /
+    value: Expr
+
+
+@dataclass(frozen=True)
+class If(Stmt):
+    cond: Expr
+    then: Block
+    orelse: Block = Block()
+
+
+class LoopKind(enum.Enum):
+    SERIAL = "serial"
+    PARALLEL = "parallel"
+    TILE_OUTER = "tile_outer"
+    TILE_INNER = "tile_inner"
+
+
+@dataclass(frozen=True)
+class Axis:
+    """What a loop iterates: ``dim`` of ``ensemble`` (``dim == -1``: the batch)."""
+
+    ensemble: Any = field(compare=False)
+    dim: int
+    ensemble_name: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.ensemble_name}.{'batch' if self.dim < 0 else self.dim}"
+
+
+@dataclass(frozen=True)
+class Loop(Stmt):
+    var: str
+    start: int
+    stop: int
+    body: Block
+    kind: LoopKind = LoopKind.SERIAL
+    axis: Axis | None = None
+    meta: tuple = ()   # (key, value) pairs for later passes, e.g. dependence distance
+
+    @property
+    def extent(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Gemm(Stmt):
+    """``C[m, n] = alpha * op(A)[m, k] @ op(B)[k, n] + beta * C`` on row-major slices.
+
+    ``a``, ``b``, ``c`` are element offsets (affine in enclosing loop variables) into the
+    buffers; ``ld*`` are leading dimensions as in CBLAS.
+    """
+
+    m: int
+    n: int
+    k: int
+    a_buf: Buffer
+    a_off: Affine
+    lda: int
+    trans_a: bool
+    b_buf: Buffer
+    b_off: Affine
+    ldb: int
+    trans_b: bool
+    c_buf: Buffer
+    c_off: Affine
+    ldc: int
+    alpha: float = 1.0
+    beta: float = 1.0
+
+
+@dataclass(frozen=True)
+class Kernel(Node):
+    """One ensemble's code for one phase (forward, backward, ...)."""
+
+    name: str
+    body: Block
+    ensemble: Any = field(compare=False, default=None)
+    phase: str = ""
+
+
+# ---------------------------------------------------------------- traversal
+
+def children(node: Node) -> Iterator[Node]:
+    """Direct child nodes, in field order."""
+    for f in dataclasses.fields(node):
+        val = getattr(node, f.name)
+        if isinstance(val, Node):
+            yield val
+        elif isinstance(val, tuple):
+            for v in val:
+                if isinstance(v, Node):
+                    yield v
+
+
+def walk(node: Node) -> Iterator[Node]:
+    """Every node below ``node`` (pre-order), ``node`` included."""
+    yield node
+    for c in children(node):
+        yield from walk(c)
+
+
+def rewrite(node: Node, fn: Callable[[Node], Node | None]) -> Node:
+    """Bottom-up rewrite: children first, then ``fn(node)`` (``None`` keeps the node)."""
+    if not isinstance(node, Node) or isinstance(node, (Affine, Buffer)):
+        out = fn(node) if isinstance(node, Node) else None
+        return node if out is None else out
+    changes = {}
+    for f in dataclasses.fields(node):
+        val = getattr(node, f.name)
+        if isinstance(val, Node):
+            new = rewrite(val, fn)
+        elif isinstance(val, tuple) and any(isinstance(v, Node) for v in val):
+            new = tuple(rewrite(v, fn) if isinstance(v, Node) else v for v in val)
+        else:
+            continue
+        if new is not val:
+            changes[f.name] = new
+    if changes:
+        node = dataclasses.replace(node, **changes)
+    out = fn(node)
+    return node if out is None else out
+
+
+def refs(node: Node) -> Iterator[Ref]:
+    return (n for n in walk(node) if isinstance(n, Ref))
+
+
+def written_refs(node: Node) -> Iterator[Ref]:
+    """Refs that statements below ``node`` store to."""
+    for n in walk(node):
+        if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Ref):
+            yield n.target
+
+
+class NameGen:
+    """Fresh variable names: ``_n``, ``_d0``, ``_i0_1``..."""
+
+    def __init__(self):
+        self.used: set[str] = set()
+
+    def __call__(self, base: str) -> str:
+        name, k = base, 0
+        while name in self.used:
+            k += 1
+            name = f"{base}_{k}"
+        self.used.add(name)
+        return name

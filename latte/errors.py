@@ -1,0 +1,41 @@
+"""One exception hierarchy for latte.
+
+Every class also inherits the matching builtin, so ``except ValueError`` keeps working.
+Errors raised from a neuron body carry its file and line; errors about a connection name
+both ensembles.
+"""
+
+from __future__ import annotations
+
+
+class LatteError(Exception):
+    """Base class of every error latte raises on purpose."""
+
+
+class NeuronSyntaxError(LatteError, SyntaxError):
+    """A neuron's forward/backward uses a construct outside latte's neuron language."""
+
+    def __init__(self, message: str, filename: str | None = None, lineno: int | None = None):
+        where = f"{filename}:{lineno}: " if filename else ""
+        super().__init__(f"{where}{message}")
+        self.filename, self.lineno = filename, lineno
+
+
+class MappingError(LatteError, ValueError):
+    """A connection's mapping function is malformed or leaves the source ensemble."""
+
+
+class ShapeError(LatteError, ValueError):
+    """Shapes of connected ensembles, fields or data do not agree."""
+
+
+class CompileError(LatteError, RuntimeError):
+    """The compiler cannot lower a network (an internal limit, not a user mistake)."""
+
+
+class DataError(LatteError, OSError):
+    """A data file is missing or malformed."""
+
+
+class TrainingError(LatteError, FloatingPointError):
+    """Training diverged (a NaN or infinite loss)."""

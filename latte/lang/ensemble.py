@@ -1,0 +1,147 @@
+"""Ensembles: collections of neurons of one type (paper section 3.2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from latte.errors import ShapeError
+from latte.lang.neuron import FieldKind, FieldSpec, Neuron, field_specs
+
+
+@dataclass(frozen=True, eq=False)
+class FieldData:
+    """A neuron field's storage: ``array[index_map(*neuron)]`` is one neuron's vector."""
+
+    name: str
+    spec: FieldSpec
+    array: np.ndarray
+    index_map: Callable[..., Any] | None  # None: leading dims are the ensemble's shape
+    lead_ndim: int                         # array dims that select a neuron's vector
+
+    @property
+    def vector_shape(self) -> tuple[int, ...]:
+        return self.array.shape[self.lead_ndim:]
+
+
+def _shape(shape) -> tuple[int, ...]:
+    shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
+    if not shape or any(d <= 0 for d in shape):
+        raise ShapeError(f"ensemble shape must be a non-empty tuple of positive ints, got {shape}")
+    return shape
+
+
+class BaseEnsemble:
+    """What every kind of ensemble has: a name, a shape and a place in a net."""
+
+    def __init__(self, net, name: str, shape):
+        if not isinstance(name, str) or not name:
+            raise ValueError("an ensemble needs a non-empty string name")
+        self.name = name
+        self.shape = _shape(shape)
+        self.net = net
+        net.add_ensemble(self)
+
+    @property
+    def size(self) -> int:
+        """Number of neurons."""
+        return int(np.prod(self.shape))
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, shape={self.shape})"
+
+
+class Ensemble(BaseEnsemble):
+    """``Ensemble(net, name, neuron_type, shape, **fields)``.
+
+    Each declared field is given as an array whose leading dimensions are ``shape`` or as
+    ``(array, index_map)`` where ``index_map(*neuron_index)`` picks the leading index.
+    """
+
+    def __init__(self, net, name: str, neuron_type: type, shape, **fields):
+        if not (isinstance(neuron_type, type) and issubclass(neuron_type, Neuron)):
+            raise TypeError(f"ensemble {name!r}: neuron_type must be a Neuron subclass")
+        super().__init__(net, name, shape)
+        self.neuron_type = neuron_type
+        self.fields: dict[str, FieldData] = {}
+        specs = field_specs(neuron_type)
+        missing = set(specs) - set(fields)
+        extra = set(fields) - set(specs)
+        if missing or extra:
+            raise TypeError(f"ensemble {name!r} ({neuron_type.__name__}): "
+                            + (f"missing fields {sorted(missing)} " if missing else "")
+                            + (f"unknown fields {sorted(extra)}" if extra else ""))
+        for fname, spec in specs.items():
+            self.fields[fname] = self._field(fname, spec, fields[fname])
+
+    def _field(self, fname: str, spec: FieldSpec, given) -> FieldData:
+        index_map = None
+        if isinstance(given, tuple) and len(given) == 2 and callable(given[1]):
+            given, index_map = given
+        array = np.array(given, dtype=np.float32, copy=True)
+        if index_map is None:
+            if array.shape[: len(self.shape)] != self.shape:
+                raise ShapeError(f"ensemble {self.name!r}: field {fname!r} has shape {array.shape}, "
+                                 f"whose leading dims should be the ensemble shape {self.shape}")
+            lead = len(self.shape)
+        else:
+            sample = index_map(*([0] * len(self.shape)))
+            lead = len(sample) if isinstance(sample, tuple) else 1
+            if array.ndim < lead:
+                raise ShapeError(f"ensemble {self.name!r}: field {fname!r} index_map returns {lead} "
+                                 f"indices but the array has only {array.ndim} dims")
+        if array.ndim == lead:  # a scalar per neuron is a vector of one
+            array = array.reshape(array.shape + (1,))
+        return FieldData(fname, spec, array, index_map, lead)
+
+    @property
+    def params(self) -> list[FieldData]:
+        return [f for f in self.fields.values() if f.spec.kind is FieldKind.PARAM]
+
+
+class ActivationEnsemble(Ensemble):
+    """An activation applied in place over ``source`` (paper section 3.2).
+
+    It shares ``source``'s value and gradient buffers: ``forward`` rewrites ``self.value``
+    and ``backward`` rewrites ``self.grad`` into the gradient of the source's value.
+    """
+
+    def __init__(self, net, name: str, neuron_type: type, source: BaseEnsemble, **fields):
+        self.source = source
+        super().__init__(net, name, neuron_type, source.shape, **fields)
+
+
+class NormalizationEnsemble(BaseEnsemble):
+    """Array operations over whole ensembles (softmax loss, batch statistics).
+
+    Subclasses implement :meth:`forward` and :meth:`backward` on numpy arrays shaped
+    ``(batch, *shape)``. A loss sets ``self.loss`` in ``forward``.
+    """
+
+    is_loss = False
+
+    def __init__(self, net, name: str, inputs: list[BaseEnsemble], shape):
+        self.inputs = list(inputs)
+        super().__init__(net, name, shape)
+        self.loss = 0.0
+
+    def forward(self, inputs: list[np.ndarray], value: np.ndarray, valid: int) -> None:
+        """Fill ``value`` from ``inputs``; only the first ``valid`` batch items are real."""
+        raise NotImplementedError
+
+    def backward(self, inputs: list[np.ndarray], grad_inputs: list[np.ndarray],
+                 value: np.ndarray, grad: np.ndarray, valid: int) -> None:
+        """Accumulate into ``grad_inputs``."""
+
+
+class DataEnsemble(BaseEnsemble):
+    """An ensemble whose values a data source writes before each forward pass."""
+
+    def __init__(self, net, name: str, shape, source):
+        self.source = source
+        super().__init__(net, name, shape)

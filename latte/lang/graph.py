@@ -1,0 +1,42 @@
+"""The network graph: ensembles and connections, in the order the user built them."""
+
+from __future__ import annotations
+
+import enum
+
+from latte.errors import ShapeError
+
+
+class Phase(enum.Enum):
+    TRAIN = "train"
+    TEST = "test"
+
+
+class Graph:
+    """Holds ensembles (in creation order, which is a topological order) and connections."""
+
+    def __init__(self, batch_size: int):
+        if int(batch_size) <= 0:
+            raise ShapeError(f"batch size must be positive, got {batch_size}")
+        self.batch_size = int(batch_size)
+        self.ensembles: list = []
+        self.connections: list = []
+
+    def add_ensemble(self, ens) -> None:
+        if any(e.name == ens.name for e in self.ensembles):
+            raise ValueError(f"an ensemble named {ens.name!r} already exists in this net")
+        self.ensembles.append(ens)
+
+    def add_connection(self, conn) -> None:
+        self.connections.append(conn)
+
+    def connections_into(self, ens) -> list:
+        return [c for c in self.connections if c.sink is ens]
+
+    def ensemble(self, name_or_ens):
+        if not isinstance(name_or_ens, str):
+            return name_or_ens
+        for e in self.ensembles:
+            if e.name == name_or_ens:
+                return e
+        raise KeyError(f"no ensemble named {name_or_ens!r} in this net")

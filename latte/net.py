@@ -1,0 +1,165 @@
+"""``Net``: the user's handle on a network, from building it to running compiled code."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+
+from latte import random as latte_random
+from latte.compiler import compile_net
+from latte.compiler.blas import set_blas_threads
+from latte.errors import DataError, LatteError
+from latte.lang import DataEnsemble, Graph, NormalizationEnsemble, Phase
+from latte.overrides import pick
+from latte.runtime.executor import Executor
+from latte.runtime.memory import Memory
+
+
+@dataclass(frozen=True, eq=False)
+class Parameter:
+    """A learnable array: ``value`` and ``grad`` are live views of the net's buffers."""
+
+    name: str
+    value: np.ndarray
+    grad: np.ndarray
+    history: np.ndarray          # momentum (solver state)
+    lr_mult: float
+    decay_mult: float
+
+
+class Net(Graph):
+    """A network of ensembles; ``init()`` compiles it, ``forward``/``backward`` run it."""
+
+    def __init__(self, batch_size: int, *, num_threads: int | None = None, opt_level: int = 3,
+                 seed: int | None = None, deterministic: bool = False):
+        super().__init__(batch_size)
+        self.num_threads = pick("num_threads", num_threads)
+        self.opt_level = int(pick("opt_level", opt_level))
+        self.seed = pick("seed", seed)
+        self.deterministic = bool(deterministic)
+        if not 0 <= self.opt_level <= 3:
+            raise ValueError(f"opt_level must be 0..3, got {self.opt_level}")
+        self.rng = latte_random.seed(self.seed)
+        self.program = None
+        self.params: list[Parameter] = []
+        self.solver_state: dict = {}
+        self.valid = self.batch_size
+        self._executor = None
+        self._memory = None
+
+    # ------------------------------------------------------------ compile
+    def init(self) -> None:
+        """Compile the net (idempotent)."""
+        if self.program is not None:
+            return
+        threads = self.num_threads or os.cpu_count() or 1
+        set_blas_threads(threads)
+        self.program = compile_net(self, self.opt_level)
+        self._memory = Memory(self.program)
+        self._executor = Executor(self.program, self._memory)
+        bufs = self.program.buffers
+        self.params = []
+        for ens, name in self.program.params:
+            f = ens.fields[name]
+            self.params.append(Parameter(f"{ens.name}.{name}", self._memory[bufs.field(ens, name)],
+                                         self._memory[bufs.field_grad(ens, name)],
+                                         self._memory[bufs.history(ens, name)],
+                                         f.spec.lr_mult, f.spec.decay_mult))
+        self._scalars = self._memory[bufs.scalars(3 * len(self.params))]
+
+    def _ready(self) -> None:
+        if self.program is None:
+            self.init()
+
+    # ------------------------------------------------------------ run
+    def data_sources(self) -> list:
+        seen = []
+        for e in self.ensembles:
+            if isinstance(e, DataEnsemble) and e.source is not None and e.source not in seen:
+                seen.append(e.source)
+        return seen
+
+    def forward(self, phase: Phase = Phase.TRAIN) -> None:
+        """Load the next batch from every data source and run the forward pass."""
+        self._ready()
+        self.phase = phase
+        valid = self.batch_size
+        for source in self.data_sources():
+            valid = min(valid, source.load(self, phase))
+        self.valid = valid
+        self._executor.forward(valid)
+
+    def backward(self) -> None:
+        """Zero every gradient, then back-propagate from the losses."""
+        self._ready()
+        self._executor.backward(self.valid)
+
+    def update(self, lr: float, momentum: float = 0.0, regu_coef: float = 0.0) -> None:
+        """One SGD step: ``hist = mom*hist + lr*lr_mult*(grad + regu*decay_mult*param)``."""
+        self._ready()
+        s = self._scalars.reshape(-1, 3) if self.params else self._scalars[:0].reshape(0, 3)
+        for i, p in enumerate(self.params):
+            s[i] = (lr * p.lr_mult, momentum, regu_coef * p.decay_mult)
+        self._executor.update()
+
+    # ------------------------------------------------------------ views
+    def value(self, ens_or_name) -> np.ndarray:
+        """Writable ``(batch, *shape)`` view of an ensemble's values."""
+        self._ready()
+        return self._memory[self.program.buffers.value(self.ensemble(ens_or_name))]
+
+    def grad(self, ens_or_name) -> np.ndarray:
+        """Writable ``(batch, *shape)`` view of d loss / d value."""
+        self._ready()
+        return self._memory[self.program.buffers.grad(self.ensemble(ens_or_name))]
+
+    @property
+    def loss(self) -> float:
+        """The summed loss of every loss ensemble for the current batch."""
+        return float(sum(e.loss for e in self.ensembles
+                         if isinstance(e, NormalizationEnsemble) and e.is_loss))
+
+    # ------------------------------------------------------------ checkpoints
+    def save(self, path) -> None:
+        """Write parameters, momentum and solver state to ``path`` atomically."""
+        self._ready()
+        arrays = {f"value/{p.name}": p.value for p in self.params}
+        arrays |= {f"history/{p.name}": p.history for p in self.params}
+        buf = io.BytesIO()
+        np.savez(buf, __state__=np.array(json.dumps(self.solver_state)), **arrays)
+        path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".latte-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(buf.getvalue())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def load(self, path) -> None:
+        """Restore what :meth:`save` wrote."""
+        self._ready()
+        if not os.path.exists(path):
+            raise DataError(f"checkpoint {os.fspath(path)!r} does not exist")
+        with np.load(path) as data:
+            for p in self.params:
+                for kind, arr in (("value", p.value), ("history", p.history)):
+                    key = f"{kind}/{p.name}"
+                    if key not in data:
+                        raise LatteError(f"checkpoint {os.fspath(path)!r} has no {key!r}")
+                    if data[key].shape != arr.shape:
+                        raise LatteError(f"checkpoint {key!r} has shape {data[key].shape}, "
+                                         f"the net expects {arr.shape}")
+                    arr[...] = data[key]
+            self.solver_state = json.loads(str(data["__state__"]))

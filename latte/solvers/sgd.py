@@ -1,0 +1,136 @@
+"""SGD and the training loop: epochs of forward / backward / update, then a test pass."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+from latte.errors import TrainingError
+from latte.lang import Phase
+from latte.overrides import pick
+from latte.solvers.policies import LRPolicy, MomPolicy
+
+
+@dataclass
+class SolverParameters:
+    """``hist = mom*hist + lr*(grad + regu_coef*decay_mult*param); param -= hist``."""
+
+    lr_policy: object = field(default_factory=lambda: LRPolicy.Fixed(0.01))
+    mom_policy: object = field(default_factory=lambda: MomPolicy.Fixed(0.0))
+    max_epoch: int = 1
+    regu_coef: float = 0.0
+    snapshot_dir: str | None = None
+
+    def __post_init__(self):
+        self.max_epoch = int(pick("max_epoch", self.max_epoch))
+
+
+@dataclass
+class History:
+    """What training produced: one loss per iteration, one test accuracy per epoch."""
+
+    train_loss: list[float] = field(default_factory=list)
+    test_accuracy: list[float] = field(default_factory=list)
+    test_loss: list[float] = field(default_factory=list)
+    epoch_seconds: list[float] = field(default_factory=list)
+
+
+class SGD:
+    """Stochastic gradient descent with momentum and weight decay."""
+
+    def __init__(self, params: SolverParameters):
+        self.params = params
+
+    def step(self, net, iteration: int) -> None:
+        p = self.params
+        net.update(p.lr_policy(iteration), p.mom_policy(iteration), p.regu_coef)
+
+
+def _test(net) -> tuple[float | None, float | None]:
+    """Accuracy and loss over the whole test set (None when there is no test set)."""
+    from latte.stdlib.losses import Accuracy  # noqa: PLC0415 - stdlib is optional here
+
+    sources = net.data_sources()
+    if not sources or any(s.num_samples(Phase.TEST) == 0 for s in sources):
+        return None, None
+    accs = [e for e in net.ensembles if isinstance(e, Accuracy)]
+    for s in sources:
+        s.reset(Phase.TEST)
+    hits = count = loss_sum = 0.0
+    for _ in range(max(s.batches_per_epoch(Phase.TEST) for s in sources)):
+        net.forward(Phase.TEST)
+        if accs:
+            hits += accs[0].counts[0]
+        loss_sum += net.loss * net.valid
+        count += net.valid
+    return (hits / count if accs else None), loss_sum / count
+
+
+def solve(solver: SGD, net, progress=None) -> History:
+    """Train ``net`` for ``max_epoch`` epochs; returns the :class:`History`.
+
+    ``progress`` (optional) is called as ``progress(event, **info)`` for ``"iteration"``
+    and ``"epoch"`` events; ``latte run`` uses it for its progress bar.
+    """
+    net.init()
+    params = solver.params
+    sources = net.data_sources()
+    iters = max((s.batches_per_epoch(Phase.TRAIN) for s in sources), default=1)
+    history = History()
+    start_it = int(net.solver_state.get("iteration", 0))
+    start_epoch = int(net.solver_state.get("epoch", 0))
+    log = _Log(params.snapshot_dir)
+    it = start_it
+    for epoch in range(start_epoch, params.max_epoch):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            net.forward(Phase.TRAIN)
+            loss = net.loss
+            if not math.isfinite(loss):
+                raise TrainingError(f"the loss became {loss} at iteration {it} (epoch {epoch}); "
+                                    "lower the learning rate or check the data")
+            net.backward()
+            solver.step(net, it)
+            history.train_loss.append(loss)
+            it += 1
+            if progress:
+                progress("iteration", epoch=epoch, iteration=it, loss=loss,
+                         images=net.batch_size)
+        history.epoch_seconds.append(time.perf_counter() - t0)
+        acc, test_loss = _test(net)
+        if acc is not None:
+            history.test_accuracy.append(acc)
+        if test_loss is not None:
+            history.test_loss.append(test_loss)
+        net.solver_state = {"iteration": it, "epoch": epoch + 1}
+        log.epoch(epoch, it, history, acc, test_loss)
+        if params.snapshot_dir:
+            net.save(os.path.join(params.snapshot_dir, "snapshot.npz"))
+        if progress:
+            progress("epoch", epoch=epoch, accuracy=acc, test_loss=test_loss,
+                     train_loss=history.train_loss[-1] if history.train_loss else None)
+    return history
+
+
+class _Log:
+    """``log.csv`` in the snapshot dir: one row per epoch."""
+
+    def __init__(self, directory: str | None):
+        self.path = os.path.join(directory, "log.csv") if directory else None
+        if self.path:
+            os.makedirs(directory, exist_ok=True)
+            if not os.path.exists(self.path):
+                with open(self.path, "w", newline="") as f:
+                    csv.writer(f).writerow(["epoch", "iteration", "train_loss", "test_loss",
+                                            "test_accuracy"])
+
+    def epoch(self, epoch, it, history, acc, test_loss):
+        if not self.path:
+            return
+        train = history.train_loss[-1] if history.train_loss else ""
+        with open(self.path, "a", newline="") as f:
+            csv.writer(f).writerow([epoch, it, train, "" if test_loss is None else test_loss,
+                                    "" if acc is None else acc])
