@@ -1,0 +1,38 @@
+"""``latte explain``: the compiler's plan for a net, in words and pseudo-code."""
+
+from __future__ import annotations
+
+from latte.compiler.ir import Gemm, walk
+from latte.compiler.printer import fmt_stmt, format_ir
+
+
+def _dims(ens, dims) -> str:
+    return ", ".join(f"dim {d} (size {ens.shape[d]})" for d in dims) or "none"
+
+
+def explain_program(program) -> str:
+    """Per ensemble: shared dimensions, GEMM matches and the generated loops."""
+    out = [f"opt_level {program.opt_level}; {len(program.buffers.buffers)} buffers; "
+           f"native code {'from the disk cache' if program.library and program.library.from_cache else 'compiled'}"]
+    for plan in program.plans:
+        ens = plan.ensemble
+        out.append("")
+        out.append(f"== ensemble {ens.name!r}: {ens.neuron_type.__name__} x {ens.shape}")
+        for k, acc in enumerate(plan.accesses):
+            kind = "affine" if acc.dims is not None else "gather table"
+            pad = "" if acc.in_bounds else f", padded with {acc.conn.padding:g}"
+            out.append(f"  input {k} from {acc.conn.source.name!r}: {acc.length} values per "
+                       f"neuron ({kind}{pad}); shared along {_dims(ens, acc.shared_dims())}")
+            if acc.relation is not None:
+                out.append(f"    relation {acc.relation}")
+        for name, dims in plan.param_shared_dims().items():
+            out.append(f"  param {name!r} {ens.fields[name].array.shape}: shared along {_dims(ens, dims)}")
+        for phase, kernel in plan.kernels.items():
+            gemms = [n for n in walk(kernel.body) if isinstance(n, Gemm)]
+            out.append(f"  {phase}: {len(gemms)} GEMM match(es)")
+            for g in gemms:
+                out.extend("    " + line.strip() for line in fmt_stmt(g))
+        for kernel in plan.kernels.values():
+            out.append("")
+            out.extend("  " + line for line in format_ir(kernel).splitlines())
+    return "\n".join(out)
