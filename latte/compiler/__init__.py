@@ -15,9 +15,11 @@ from latte.compiler.ir import (Affine, AugAssign, Assign, BinOp, Block, Buffer, 
                                Loop, Ref, walk)
 from latte.compiler.jit import CodeLibrary, target
 from latte.compiler.mapping import ConnAccess, analyze_connection, fit_index_map
-from latte.compiler.passes import distribute_loops, match_gemm, prune_dead_gradients
+from latte.compiler.passes import (distribute_loops, fold_zero_init, match_gemm,
+                                   prune_dead_gradients)
 from latte.compiler.printer import format_ir
 from latte.compiler.synthesis import synthesize, zero_loop
+from latte.compiler.verify import verify_bounds
 from latte.errors import MappingError
 from latte.lang import (ActivationEnsemble, DataEnsemble, Ensemble, FieldKind,
                         NormalizationEnsemble)
@@ -85,6 +87,7 @@ def compile_net(net, opt_level: int = 3) -> Program:
     dead = frozenset(bufs.grad(e) for e in net.ensembles
                      if isinstance(e, DataEnsemble) and not getattr(e, "needs_grad", False))
     plans = []
+    pre_zeroed: set[Buffer] = set()   # gradients a GEMM overwrites need no zeroing
     for ens in net.ensembles:
         if not isinstance(ens, Ensemble):
             continue
@@ -93,6 +96,7 @@ def compile_net(net, opt_level: int = 3) -> Program:
         for phase in ("forward", "backward"):
             # synthesis: neuron body -> loop nest over (batch, ensemble dims), SoA refs
             kernel = synthesize(ens, phase, plan.accesses, bufs)
+            verify_bounds(kernel)
             # data ensembles need no gradient
             kernel = prune_dead_gradients(kernel, dead)
             _dump("ir", f"{kernel.name} synthesized", format_ir(kernel))
@@ -100,6 +104,11 @@ def compile_net(net, opt_level: int = 3) -> Program:
                 # split neuron bodies into perfect nests, then match multiply-accumulates
                 kernel = distribute_loops(kernel)
                 kernel = match_gemm(kernel)
+                # a GEMM that first writes a zeroed buffer overwrites it (beta = 0)
+                param_grads = frozenset(bufs.field_grad(ens, f.name) for f in ens.params)
+                kernel, folded = fold_zero_init(kernel, param_grads if phase == "backward"
+                                                else frozenset())
+                pre_zeroed |= folded
                 _dump("ir", f"{kernel.name} after gemm matching", format_ir(kernel))
             plan.kernels[phase] = kernel
         plans.append(plan)
@@ -107,7 +116,7 @@ def compile_net(net, opt_level: int = 3) -> Program:
     by_ens = {p.ensemble: p for p in plans}
     forward = _steps(net.ensembles, by_ens, "forward", "fwd")
     backward = _steps(reversed(net.ensembles), by_ens, "backward", "bwd")
-    zero = Kernel("zero_grads", _zero_grads(net, bufs, dead), None, "backward")
+    zero = Kernel("zero_grads", _zero_grads(net, bufs, dead | pre_zeroed), None, "backward")
     if backward and isinstance(backward[0], Segment):
         backward[0] = Segment(backward[0].name, (zero, *backward[0].kernels))
     else:
@@ -171,7 +180,7 @@ def _zero_grads(net, bufs: BufferPlan, dead) -> Block:
             if g not in dead:
                 grads.append(g)
         if isinstance(ens, Ensemble):
-            grads += [bufs.field_grad(ens, f.name) for f in ens.params]
+            grads += [g for f in ens.params if (g := bufs.field_grad(ens, f.name)) not in dead]
     return Block(tuple(zero_loop(g, f"_z{i}") for i, g in enumerate(grads)))
 
 
