@@ -1,7 +1,16 @@
 """latte: a language, compiler and runtime for deep neural networks."""
 
-from latte.lang import (ActivationEnsemble, Batch, Ensemble, Field, NormalizationEnsemble,
-                        Neuron, Param, Phase, add_connections)
+from latte.lang import (
+                        ActivationEnsemble,
+                        Batch,
+                        Ensemble,
+                        Field,
+                        Neuron,
+                        NormalizationEnsemble,
+                        Param,
+                        Phase,
+                        add_connections,
+)
 from latte.net import Net
 
 __all__ = ["ActivationEnsemble", "Batch", "Ensemble", "Field", "Net", "Neuron",

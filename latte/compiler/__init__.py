@@ -11,18 +11,28 @@ from dataclasses import dataclass, field
 
 from latte.compiler.buffers import BufferPlan, storage_owner
 from latte.compiler.codegen import ModuleBuilder
-from latte.compiler.ir import (Affine, AugAssign, Assign, BinOp, Block, Buffer, Const, Kernel, Load,
-                               Loop, Ref, walk)
+from latte.compiler.ir import (
+    Affine,
+    Assign,
+    AugAssign,
+    BinOp,
+    Block,
+    Buffer,
+    Const,
+    Kernel,
+    Load,
+    Loop,
+    Ref,
+    walk,
+)
 from latte.compiler.jit import CodeLibrary, target
 from latte.compiler.mapping import ConnAccess, analyze_connection, fit_index_map
-from latte.compiler.passes import (distribute_loops, fold_zero_init, match_gemm,
-                                   prune_dead_gradients)
+from latte.compiler.passes import distribute_loops, fold_zero_init, match_gemm, prune_dead_gradients
 from latte.compiler.printer import format_ir
 from latte.compiler.synthesis import synthesize, zero_loop
 from latte.compiler.verify import verify_bounds
 from latte.errors import MappingError
-from latte.lang import (ActivationEnsemble, DataEnsemble, Ensemble, FieldKind,
-                        NormalizationEnsemble)
+from latte.lang import ActivationEnsemble, DataEnsemble, Ensemble, NormalizationEnsemble
 
 
 @dataclass(frozen=True)
@@ -193,13 +203,13 @@ def _update_kernel(params, bufs: BufferPlan) -> Kernel:
     stmts = []
     for p, (ens, name) in enumerate(params):
         val, grad, hist = bufs.field(ens, name), bufs.field_grad(ens, name), bufs.history(ens, name)
-        i = f"_u{p}"
-        at = lambda b: Ref(b, (Affine.of(i),), (b.size,))  # noqa: E731
-        s = lambda j: Load(Ref(scal, (Affine((), 3 * p + j),), scal.shape))  # noqa: E731
-        new_hist = BinOp("+", BinOp("*", s(1), Load(at(hist))),
-                         BinOp("*", s(0), BinOp("+", Load(at(grad)), BinOp("*", s(2), Load(at(val))))))
-        stmts.append(Loop(i, 0, val.size, Block((Assign(at(hist), new_hist),
-                                                 AugAssign(at(val), "-", Load(at(hist)))))))
+        i = Affine.of(f"_u{p}")
+        v, g, h = (Ref(b, (i,), (b.size,)) for b in (val, grad, hist))
+        lr, mom, decay = (Load(Ref(scal, (Affine((), 3 * p + j),), scal.shape)) for j in range(3))
+        new_hist = BinOp("+", BinOp("*", mom, Load(h)),
+                         BinOp("*", lr, BinOp("+", Load(g), BinOp("*", decay, Load(v)))))
+        stmts.append(Loop(f"_u{p}", 0, val.size, Block((Assign(h, new_hist),
+                                                        AugAssign(v, "-", Load(h))))))
     return Kernel("sgd_update", Block(tuple(stmts)), None, "update")
 
 

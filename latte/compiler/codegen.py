@@ -10,9 +10,29 @@ from __future__ import annotations
 
 from llvmlite import ir
 
-from latte.compiler.ir import (Affine, Assign, AugAssign, BinOp, Block, BoolOp, Buffer, Call,
-                               Compare, Const, Expr, Gemm, If, Kernel, Load, Loop, Ref, Select,
-                               UnaryOp, Var, walk)
+from latte.compiler.ir import (
+    Affine,
+    Assign,
+    AugAssign,
+    BinOp,
+    Block,
+    BoolOp,
+    Buffer,
+    Call,
+    Compare,
+    Const,
+    Expr,
+    Gemm,
+    If,
+    Kernel,
+    Load,
+    Loop,
+    Ref,
+    Select,
+    UnaryOp,
+    Var,
+    walk,
+)
 from latte.errors import CompileError
 
 F32, I32, I64, I1 = ir.FloatType(), ir.IntType(32), ir.IntType(64), ir.IntType(1)

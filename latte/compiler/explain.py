@@ -12,8 +12,9 @@ def _dims(ens, dims) -> str:
 
 def explain_program(program) -> str:
     """Per ensemble: shared dimensions, GEMM matches and the generated loops."""
+    cached = program.library is not None and program.library.from_cache
     out = [f"opt_level {program.opt_level}; {len(program.buffers.buffers)} buffers; "
-           f"native code {'from the disk cache' if program.library and program.library.from_cache else 'compiled'}"]
+           f"native code {'from the disk cache' if cached else 'compiled'}"]
     for plan in program.plans:
         ens = plan.ensemble
         out.append("")

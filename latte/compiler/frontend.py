@@ -12,10 +12,23 @@ import inspect
 import math
 import textwrap
 from dataclasses import dataclass
-from typing import Callable
 
-from latte.compiler.ir import (Assign, AugAssign, BinOp, Block, BoolOp, Call, Compare, Const,
-                               Expr, If, Loop, Select, UnaryOp, Var)
+from latte.compiler.ir import (
+    Assign,
+    AugAssign,
+    BinOp,
+    Block,
+    BoolOp,
+    Call,
+    Compare,
+    Const,
+    Expr,
+    If,
+    Loop,
+    Select,
+    UnaryOp,
+    Var,
+)
 from latte.errors import NeuronSyntaxError
 
 
@@ -52,7 +65,8 @@ def parse_method(neuron_type: type, method: str, info: NeuronInfo) -> Block:
         lines, first = inspect.getsourcelines(func)
         filename = inspect.getsourcefile(func) or "<unknown>"
     except (OSError, TypeError) as exc:
-        raise NeuronSyntaxError(f"cannot read the source of {neuron_type.__name__}.{method}: {exc}")
+        raise NeuronSyntaxError(f"cannot read the source of {neuron_type.__name__}.{method}: "
+                                f"{exc}") from exc
     tree = ast.parse(textwrap.dedent("".join(lines)))
     fdef = tree.body[0]
     if not isinstance(fdef, ast.FunctionDef):

@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
-from latte.compiler.ir import (Affine, Assign, AugAssign, BinOp, Block, BoolOp, Call, Compare,
-                               Const, Gemm, If, Kernel, Load, Loop, LoopKind, Ref, Select,
-                               UnaryOp, Var)
+from latte.compiler.ir import (
+    Affine,
+    Assign,
+    AugAssign,
+    BinOp,
+    Block,
+    BoolOp,
+    Call,
+    Compare,
+    Const,
+    Gemm,
+    If,
+    Kernel,
+    Load,
+    Loop,
+    LoopKind,
+    Ref,
+    Select,
+    UnaryOp,
+    Var,
+)
 
 
 def fmt_expr(e) -> str:

@@ -13,9 +13,29 @@ from dataclasses import dataclass
 
 from latte.compiler.buffers import BufferPlan
 from latte.compiler.frontend import NeuronInfo, NeuronRef, parse_method
-from latte.compiler.ir import (Affine, Assign, AugAssign, Axis, BinOp, Block, BoolOp, Compare,
-                               Const, Expr, If, Kernel, Load, Loop, NameGen, Node, Ref, Select,
-                               Var, rewrite, walk)
+from latte.compiler.ir import (
+    Affine,
+    Assign,
+    AugAssign,
+    Axis,
+    BinOp,
+    Block,
+    BoolOp,
+    Compare,
+    Const,
+    Expr,
+    If,
+    Kernel,
+    Load,
+    Loop,
+    NameGen,
+    Node,
+    Ref,
+    Select,
+    Var,
+    rewrite,
+    walk,
+)
 from latte.compiler.mapping import ConnAccess, DimAccess, fit_index_map, sink_var
 from latte.errors import CompileError
 from latte.lang import ActivationEnsemble, FieldKind

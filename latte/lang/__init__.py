@@ -1,8 +1,14 @@
 """The latte language: neurons, ensembles, connections. Knows nothing of compiler or runtime."""
 
 from latte.lang.connection import Connection, add_connections
-from latte.lang.ensemble import (ActivationEnsemble, BaseEnsemble, DataEnsemble, Ensemble,
-                                 FieldData, NormalizationEnsemble)
+from latte.lang.ensemble import (
+                                 ActivationEnsemble,
+                                 BaseEnsemble,
+                                 DataEnsemble,
+                                 Ensemble,
+                                 FieldData,
+                                 NormalizationEnsemble,
+)
 from latte.lang.graph import Graph, Phase
 from latte.lang.neuron import Batch, Field, FieldKind, FieldSpec, Neuron, Param, field_specs
 

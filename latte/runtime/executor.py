@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
-from latte.compiler import HostStep, Program, Segment
+from latte.compiler import Program, Segment
 from latte.runtime.memory import Memory
 
 _SEGMENT = ctypes.CFUNCTYPE(None, ctypes.c_void_p)

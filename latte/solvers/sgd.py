@@ -75,6 +75,7 @@ def solve(solver: SGD, net, progress=None) -> History:
     ``progress`` (optional) is called as ``progress(event, **info)`` for ``"iteration"``
     and ``"epoch"`` events; ``latte run`` uses it for its progress bar.
     """
+    progress = progress or pick("progress", None)
     net.init()
     params = solver.params
     sources = net.data_sources()

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from latte.compiler.ir import (Assign, AugAssign, Block, Kernel, Load, Loop, Ref, Var, walk,
-                               written_refs)
+from latte.compiler.ir import Assign, AugAssign, Block, Kernel, Load, Loop, Ref, Var, walk, written_refs
 
 
 def distribute_loops(kernel: Kernel) -> Kernel:

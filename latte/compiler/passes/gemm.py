@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from latte.compiler.ir import (Affine, AugAssign, BinOp, Block, Gemm, Kernel, Load, Loop, Ref)
+from latte.compiler.ir import Affine, AugAssign, BinOp, Block, Gemm, Kernel, Load, Loop, Ref
 
 MIN_FLOPS = 4096   # below this a loop nest beats the call overhead
 
