@@ -98,7 +98,7 @@ def solve(solver: SGD, net, progress=None) -> History:
             history.train_loss.append(loss)
             it += 1
             if progress:
-                progress("iteration", epoch=epoch, iteration=it, loss=loss,
+                progress("iteration", epoch=epoch, iteration=it, iterations=iters, loss=loss,
                          images=net.batch_size)
         history.epoch_seconds.append(time.perf_counter() - t0)
         acc, test_loss = _test(net)

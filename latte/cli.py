@@ -1,0 +1,332 @@
+"""The ``latte`` command: ``latte run NET.py`` trains a net script, ``latte explain NET.py``
+prints the compiler's plan for it."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import re
+import runpy
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+import latte
+import latte.solvers
+import latte.solvers.sgd
+from latte.compiler.explain import explain_program
+from latte.errors import LatteError
+from latte.lang import Phase
+from latte.net import Net
+from latte.overrides import OVERRIDES
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``latte`` console script; returns the exit status."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help, --version or a usage error (status 2)
+        return _exit_status(e)
+    script = os.path.abspath(args.script)
+    if not os.path.isfile(script):
+        return _fail(f"can't open script {args.script!r}: no such file")
+    try:
+        return args.action(args, script)
+    except KeyboardInterrupt:
+        print("latte: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `latte explain NET.py | head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except SystemExit as e:  # the script called sys.exit()
+        return _exit_status(e)
+    except Exception as e:
+        return _fail(_describe(e, script), e)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="latte", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"latte {latte.__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="run a net script, training with a progress bar",
+                              description="Run NET.py as __main__; the options override what "
+                                          "the script passes to Net and SolverParameters.")
+    run.add_argument("script", metavar="NET.py")
+    run.add_argument("--max-epoch", type=_count(0), metavar="N", help="epochs to train")
+    run.add_argument("--threads", type=_count(1), metavar="N", help="worker threads")
+    run.add_argument("--seed", type=int, metavar="S", help="random seed")
+    _add_opt_level(run)
+    run.add_argument("--profile", action="store_true",
+                     help="print where the time went (compile, forward, backward, update)")
+    run.set_defaults(action=_run)
+
+    explain = commands.add_parser("explain", help="compile a net script's net(s) and print "
+                                  "the plan, without training")
+    explain.add_argument("script", metavar="NET.py")
+    _add_opt_level(explain)
+    explain.set_defaults(action=_explain)
+    return parser
+
+
+def _add_opt_level(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--opt-level", type=int, choices=range(4), metavar="L",
+                        help="0 plain loops, 1 + GEMM, 2 + tiling/parallel, 3 + fusion")
+
+
+def _count(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    parse.__name__ = "integer"  # argparse names the type in its messages
+    return parse
+
+
+# ---------------------------------------------------------------- latte run
+def _run(args: argparse.Namespace, script: str) -> int:
+    profiler = _Profiler() if args.profile else None
+    progress = _Progress(sys.stderr)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_overrides(max_epoch=args.max_epoch, num_threads=args.threads,
+                                       seed=args.seed, opt_level=args.opt_level,
+                                       profile=args.profile or None, progress=progress))
+        stack.callback(progress.close)
+        if profiler:
+            stack.enter_context(profiler.installed())
+        start = time.perf_counter()
+        _run_script(script)
+        elapsed = time.perf_counter() - start
+    if profiler:
+        profiler.report(elapsed, sys.stderr)
+    return 0
+
+
+class _Progress:
+    """``solve``'s progress callback: a tqdm bar per epoch on ``stream`` (when it is a
+    terminal), then one summary line per epoch."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+        self.bar: tqdm | None = None
+        self.total: int | None = None      # iterations per epoch, once an epoch has run
+        self.last_epoch = -1
+        self.count = self.images = 0
+        self.start = 0.0
+        self.rate: float | None = None
+
+    def __call__(self, event: str, **info: Any) -> None:
+        if event == "iteration":
+            self._iteration(**info)
+        elif event == "epoch":
+            self._epoch(**info)
+
+    def _iteration(self, epoch: int, loss: float, images: int, iterations: int | None = None,
+                   **_: Any) -> None:
+        if self.bar is None:
+            if epoch <= self.last_epoch:  # another solve() started
+                self.total = None
+            self.bar = tqdm(total=iterations or self.total, desc=f"epoch {epoch + 1}",
+                            unit="it", file=self.stream, leave=False, disable=None,
+                            dynamic_ncols=True)
+            self.count = self.images = 0
+            self.start = time.perf_counter()
+        self.count += 1
+        self.images += images
+        self.rate = self.images / max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(f"loss {loss:.4f}, {self.rate:,.0f} img/s", refresh=False)
+        self.bar.update()
+
+    def _epoch(self, epoch: int, accuracy: float | None = None, test_loss: float | None = None,
+               train_loss: float | None = None, **_: Any) -> None:
+        self.close()
+        self.total, self.last_epoch = self.count or self.total, epoch
+        parts = [f"train loss {train_loss:.4f}" if train_loss is not None else None,
+                 f"test loss {test_loss:.4f}" if test_loss is not None else None,
+                 f"test accuracy {accuracy:.2%}" if accuracy is not None else None,
+                 f"{self.rate:,.0f} img/s" if self.rate is not None else None]
+        print(f"epoch {epoch + 1}: " + ", ".join(p for p in parts if p), file=self.stream,
+              flush=True)
+        self.count, self.rate = 0, None
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class _Profiler:
+    """``--profile``: exclusive wall time in ``Net.init``/``forward``/``backward``/``update``."""
+
+    PHASES = ("compile", "forward (train, incl. data)", "backward", "update",
+              "forward (test, incl. data)")
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.calls = dict.fromkeys(self.PHASES, 0)
+        self._nested: list[float] = []   # time spent in timed calls inside each open call
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        def compile_phase(net: Net) -> str | None:
+            return "compile" if net.program is None else None
+
+        def forward_phase(net: Net, phase: Phase = Phase.TRAIN) -> str:
+            return self.PHASES[4] if phase is Phase.TEST else self.PHASES[1]
+
+        with contextlib.ExitStack() as stack:
+            for name, phase in (("init", compile_phase), ("forward", forward_phase),
+                                ("backward", lambda net: "backward"),
+                                ("update", lambda net, *a, **k: "update")):
+                stack.enter_context(_patched(Net, name, self._timed(getattr(Net, name), phase)))
+            yield
+
+    def _timed(self, method: Callable, phase: Callable[..., str | None]) -> Callable:
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            key = phase(*args, **kwargs)
+            self._nested.append(0.0)
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                nested = self._nested.pop()
+                if self._nested:
+                    self._nested[-1] += elapsed
+                if key is not None:
+                    self.seconds[key] += elapsed - nested
+                    self.calls[key] += 1
+        return timed
+
+    def report(self, total: float, stream: TextIO) -> None:
+        rows = [(p, str(self.calls[p]), self.seconds[p]) for p in self.PHASES if self.calls[p]]
+        rows.append(("rest of the script", "-", max(total - sum(self.seconds.values()), 0.0)))
+        print(f"profile: {total * 1e3:,.1f} ms in the script (wall time)", file=stream)
+        print(f"  {'phase':<28} {'calls':>7} {'total ms':>11} {'ms/call':>9} {'share':>7}",
+              file=stream)
+        for name, calls, seconds in rows:
+            per_call = f"{seconds * 1e3 / int(calls):.3f}" if calls != "-" else "-"
+            print(f"  {name:<28} {calls:>7} {seconds * 1e3:>11,.1f} {per_call:>9} "
+                  f"{seconds / total if total else 0.0:>7.1%}", file=stream)
+
+
+# ---------------------------------------------------------------- latte explain
+class _Explained(BaseException):
+    """Stops the script once its nets are explained (a BaseException so that the script's
+    own ``except Exception`` cannot swallow it)."""
+
+
+def _explain(args: argparse.Namespace, script: str) -> int:
+    nets: list[Net] = []
+
+    def explain_and_stop(*_: Any, **__: Any) -> None:
+        _print_plans(nets)
+        raise _Explained
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_overrides(opt_level=args.opt_level))
+        stack.enter_context(_tracking(nets))
+        for owner in (latte.solvers, latte.solvers.sgd):
+            stack.enter_context(_patched(owner, "solve", explain_and_stop))
+        stack.enter_context(_patched(Net, "forward", explain_and_stop))
+        try:
+            _run_script(script)
+        except _Explained:
+            return 0
+    if not nets:
+        raise LatteError(f"{os.path.basename(script)} creates no latte.Net: nothing to explain")
+    _print_plans(nets)
+    return 0
+
+
+def _print_plans(nets: list[Net]) -> None:
+    for i, net in enumerate(nets):
+        net.init()
+        if len(nets) > 1:
+            print(f"#### net {i + 1} of {len(nets)} (batch size {net.batch_size})")
+        print(explain_program(net.program), end="\n\n" if i + 1 < len(nets) else "\n",
+              flush=True)
+
+
+@contextlib.contextmanager
+def _tracking(nets: list[Net]) -> Iterator[None]:
+    """Append every Net constructed inside the block to ``nets``."""
+    original = Net.__init__
+
+    @functools.wraps(original)
+    def init(self: Net, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if self not in nets:
+            nets.append(self)
+
+    with _patched(Net, "__init__", init):
+        yield
+
+
+# ---------------------------------------------------------------- helpers
+def _run_script(script: str) -> None:
+    """Execute ``script`` as ``__main__`` with its own argv and its folder on sys.path."""
+    argv, path = sys.argv[:], sys.path[:]
+    sys.argv = [script]
+    sys.path.insert(0, os.path.dirname(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = argv, path
+
+
+@contextlib.contextmanager
+def _overrides(**values: Any) -> Iterator[None]:
+    """Set the given (non-None) OVERRIDES for the duration of the block."""
+    saved = dict(OVERRIDES)
+    OVERRIDES.update({k: v for k, v in values.items() if v is not None})
+    try:
+        yield
+    finally:
+        OVERRIDES.clear()
+        OVERRIDES.update(saved)
+
+
+@contextlib.contextmanager
+def _patched(owner: object, name: str, value: object) -> Iterator[None]:
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _describe(exc: BaseException, script: str) -> str:
+    """The message for an error from the script, with the script line that led to it."""
+    message = str(exc) if isinstance(exc, LatteError) else f"{type(exc).__name__}: {exc}"
+    lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__)
+             if os.path.abspath(f.filename) == script]
+    if lines:
+        message += f" (from {os.path.basename(script)}, line {lines[-1]})"
+    if not isinstance(exc, LatteError):
+        message += "; set LATTE_TRACEBACK=1 to see the traceback"
+    return message
+
+
+def _fail(message: str, exc: BaseException | None = None) -> int:
+    if exc is not None and os.environ.get("LATTE_TRACEBACK", "") not in ("", "0"):
+        traceback.print_exception(exc)
+    paragraph = re.sub(r"\s*\n\s*", " ", message.strip())
+    print(f"latte: error: {paragraph}", file=sys.stderr)
+    return 1
+
+
+def _exit_status(exit: SystemExit) -> int:
+    if exit.code is None or isinstance(exit.code, int):
+        return exit.code or 0
+    print(exit.code, file=sys.stderr)
+    return 1
