@@ -202,7 +202,9 @@ class _KernelEmitter:
             for e, extent in zip(ref.index, ref.view):
                 idx = self.b.add(self.b.mul(idx, ir.Constant(I64, extent)),
                                  self.to_int(self.expr(e), I64))
-        return self.b.gep(self.args[ref.buffer], [idx], inbounds=True)
+        ptr = self.b.gep(self.args[ref.buffer], [idx], inbounds=True)
+        ty = _elem_type(ref.buffer)
+        return ptr if ty is F32 else self.b.bitcast(ptr, ty.as_pointer())
 
     def to_float(self, v: ir.Value) -> ir.Value:
         if v.type == F32:

@@ -117,6 +117,9 @@ class _Parser:
             return self.for_loop(node)
         if isinstance(node, ast.If):
             return If(self.expr(node.test), self.block(node.body), self.block(node.orelse))
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            raise self.error(node, f"the call `{ast.unparse(node.value)}` is not supported in a "
+                                   "neuron body (use for/range, if/else, assignments)")
         raise self.error(node, f"{type(node).__name__} statements are not supported in a neuron "
                                "body (use for/range, if/else, assignments)")
 

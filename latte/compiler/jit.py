@@ -34,10 +34,14 @@ class Target:
         llvm.initialize_native_asmprinter()
         self.cpu = llvm.get_host_cpu_name()
         self.features = llvm.get_host_cpu_features().flatten()
-        target = llvm.Target.from_triple(llvm.get_process_triple())
-        self.machine = target.create_target_machine(cpu=self.cpu, features=self.features, opt=3,
-                                                    reloc="pic", codemodel="jitdefault", jit=True)
+        self.machine = self.new_machine()
         self._register_symbols()
+
+    def new_machine(self) -> llvm.TargetMachine:
+        """A fresh host target machine (an MCJIT engine takes ownership of the one it gets)."""
+        target = llvm.Target.from_triple(llvm.get_process_triple())
+        return target.create_target_machine(cpu=self.cpu, features=self.features, opt=3,
+                                            reloc="pic", codemodel="jitdefault", jit=True)
 
     @staticmethod
     def _register_symbols():
@@ -72,7 +76,7 @@ class Target:
         module.data_layout = str(self.machine.target_data)
         if cached is None:
             self.optimize(module)
-        engine = llvm.create_mcjit_compiler(module, self.machine)
+        engine = llvm.create_mcjit_compiler(module, self.new_machine())
 
         def notify(_mod, data: bytes):
             _atomic_write(path, data)

@@ -1,0 +1,90 @@
+"""Helpers shared by the test files: a test loss and finite-difference gradient checks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from latte import NormalizationEnsemble
+
+OPT_LEVELS = (0, 1)
+
+
+class WeightedSumLoss(NormalizationEnsemble):
+    """``loss = sum(w * x)`` for a fixed random ``w``, so ``d loss / d x = w``."""
+
+    is_loss = True
+
+    def __init__(self, net, name: str, input_ens, seed: int = 123):
+        super().__init__(net, name, [input_ens], (1,))
+        rng = np.random.default_rng(seed)
+        self.w = rng.standard_normal((net.batch_size, *input_ens.shape)).astype(np.float32)
+
+    def forward(self, inputs, value, valid):
+        terms = (self.w.astype(np.float64) * inputs[0]).reshape(len(self.w), -1).sum(axis=1)
+        value[:, 0] = terms
+        self.loss = float(terms.sum())
+
+    def backward(self, inputs, grad_inputs, value, grad, valid):
+        grad_inputs[0] += self.w
+
+
+def softmax_xent(logits: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:
+    """Mean softmax cross-entropy and its gradient w.r.t. ``logits`` (float64)."""
+    x = logits.reshape(len(logits), -1).astype(np.float64)
+    x = x - x.max(axis=1, keepdims=True)
+    p = np.exp(x) / np.exp(x).sum(axis=1, keepdims=True)
+    idx = labels.astype(np.int64)
+    loss = float(-np.log(p[np.arange(len(x)), idx]).mean())
+    g = p.copy()
+    g[np.arange(len(x)), idx] -= 1.0
+    return loss, (g / len(x)).reshape(logits.shape)
+
+
+def loss_at(net) -> float:
+    net.forward()
+    return net.loss
+
+
+def numeric_grad(net, value: np.ndarray, flat_index: int, eps: float) -> float:
+    """Central difference of ``net.loss`` w.r.t. one entry of a live array."""
+    flat = value.reshape(-1)
+    old = float(flat[flat_index])
+    flat[flat_index] = old + eps
+    plus = loss_at(net)
+    flat[flat_index] = old - eps
+    minus = loss_at(net)
+    flat[flat_index] = old
+    return (plus - minus) / (2.0 * eps)
+
+
+def check_gradients(net, inputs=(), *, eps: float = 1e-3, rtol: float = 1e-2, atol: float = 1e-3,
+                    max_entries: int = 16, seed: int = 0) -> None:
+    """Compare every ``param.grad`` and ``net.grad(e)`` for ``e`` in ``inputs`` with central
+    finite differences of ``net.loss`` (at most ``max_entries`` random entries per array)."""
+    net.forward()
+    net.backward()
+    targets = [(p.name, p.value, p.grad.copy()) for p in net.params]
+    targets += [(e.name, net.value(e), net.grad(e).copy()) for e in inputs]
+    assert targets, "nothing to check"
+    rng = np.random.default_rng(seed)
+    for name, value, analytic in targets:
+        size = value.size
+        idx = np.arange(size) if size <= max_entries else rng.choice(size, max_entries, replace=False)
+        numeric = np.array([numeric_grad(net, value, int(i), eps) for i in idx])
+        np.testing.assert_allclose(analytic.reshape(-1)[idx], numeric, rtol=rtol, atol=atol,
+                                   err_msg=f"gradient of {name}")
+    net.forward()  # leave the net in its unperturbed state
+
+
+def fill(net, ens, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """Write random normal values into ``ens`` and return a copy of them."""
+    x = (scale * rng.standard_normal(net.value(ens).shape)).astype(np.float32)
+    net.value(ens)[...] = x
+    return x
+
+
+def fill_labels(net, ens, n_classes: int, rng: np.random.Generator) -> np.ndarray:
+    """Write random class indices into a ``(1,)`` label ensemble and return them."""
+    y = rng.integers(0, n_classes, net.batch_size)
+    net.value(ens)[:, 0] = y
+    return y

@@ -1,0 +1,281 @@
+"""Loop-IR passes on hand-built IR: loop distribution and GEMM matching, checked by an
+interpreter that runs the IR before and after on numpy arrays."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from latte.compiler.ir import (
+    Affine,
+    Assign,
+    AugAssign,
+    BinOp,
+    Block,
+    Buffer,
+    Const,
+    Gemm,
+    Kernel,
+    Load,
+    Loop,
+    Ref,
+    Var,
+    walk,
+)
+from latte.compiler.passes import distribute_loops, match_gemm
+
+# ---------------------------------------------------------------- a tiny IR interpreter
+
+
+def _affine(a: Affine, env) -> int:
+    return a.const + sum(c * env[v] for v, c in a.terms)
+
+
+def _offset(ref: Ref, env) -> int:
+    off = ref.offset()
+    assert off is not None
+    return _affine(off, env)
+
+
+def _expr(e, mem, env):
+    if isinstance(e, Const):
+        return e.value
+    if isinstance(e, Var):
+        return env[e.name]
+    if isinstance(e, Affine):
+        return _affine(e, env)
+    if isinstance(e, Load):
+        return mem[e.ref.buffer][_offset(e.ref, env)]
+    if isinstance(e, BinOp):
+        a, b = _expr(e.lhs, mem, env), _expr(e.rhs, mem, env)
+        return {"+": a + b, "-": a - b, "*": a * b}[e.op]
+    raise NotImplementedError(type(e).__name__)
+
+
+def _gemm(g: Gemm, mem, env) -> None:
+    """CBLAS row-major sgemm semantics on flat arrays; fancy indexing checks the bounds."""
+    i, p = np.arange(g.m)[:, None], np.arange(g.k)[None, :]
+    a = mem[g.a_buf][_affine(g.a_off, env) + (p * g.lda + i if g.trans_a else i * g.lda + p)]
+    p, j = np.arange(g.k)[:, None], np.arange(g.n)[None, :]
+    b = mem[g.b_buf][_affine(g.b_off, env) + (j * g.ldb + p if g.trans_b else p * g.ldb + j)]
+    c = _affine(g.c_off, env) + np.arange(g.m)[:, None] * g.ldc + np.arange(g.n)[None, :]
+    assert len(np.unique(c)) == c.size  # C entries do not overlap
+    mem[g.c_buf][c] = g.alpha * (a @ b) + g.beta * mem[g.c_buf][c]
+
+
+def run(node, mem, env=None) -> None:
+    """Execute ``node`` on ``mem`` (buffer -> flat float64 array)."""
+    env = {} if env is None else env
+    if isinstance(node, Kernel):
+        run(node.body, mem, env)
+    elif isinstance(node, Block):
+        for s in node.stmts:
+            run(s, mem, env)
+    elif isinstance(node, Loop):
+        for v in range(node.start, node.stop):
+            env[node.var] = v
+            run(node.body, mem, env)
+        env.pop(node.var, None)
+    elif isinstance(node, Gemm):
+        _gemm(node, mem, env)
+    elif isinstance(node, (Assign, AugAssign)):
+        value = _expr(node.value, mem, env)
+        if isinstance(node, AugAssign):
+            value = _expr(BinOp(node.op, Load(node.target) if isinstance(node.target, Ref)
+                                else node.target, Const(value)), mem, env)
+        if isinstance(node.target, Var):
+            env[node.target.name] = value
+        else:
+            mem[node.target.buffer][_offset(node.target, env)] = value
+    else:
+        raise NotImplementedError(type(node).__name__)
+
+
+def _buf(name: str, *shape: int) -> Buffer:
+    return Buffer((name,), name, shape)
+
+
+def _ref(buf: Buffer, *vars_: str | Affine) -> Ref:
+    return Ref(buf, tuple(Affine.of(v) if isinstance(v, str) else v for v in vars_), buf.shape)
+
+
+def _nest(order, extents: dict[str, int], stmt) -> Kernel:
+    body = Block((stmt,))
+    for v in reversed(order):
+        body = Block((Loop(v, 0, extents[v], body),))
+    return Kernel("test", body)
+
+
+def _random_memory(kernel: Kernel, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    bufs = {r.buffer for r in walk(kernel) if isinstance(r, Ref)}
+    return {b: rng.standard_normal(b.size) for b in sorted(bufs, key=lambda b: b.name)}
+
+
+def _same_result(before: Kernel, after: Kernel) -> None:
+    mem = _random_memory(before)
+    out = {b: a.copy() for b, a in mem.items()}
+    run(before, mem)
+    run(after, out)
+    for b in mem:
+        np.testing.assert_allclose(out[b], mem[b], rtol=1e-12, atol=1e-12, err_msg=b.name)
+
+
+def _gemms(kernel: Kernel) -> list[Gemm]:
+    return [n for n in walk(kernel) if isinstance(n, Gemm)]
+
+
+# ---------------------------------------------------------------- GEMM matching
+
+M, N, K = 8, 12, 24   # 2*M*N*K is above the matcher's size threshold
+EXTENTS = {"i": M, "j": N, "k": K}
+
+
+def _matmul(order, trans_a=False, trans_b=False, trans_c=False) -> Kernel:
+    """``C[i, j] += A[i, k] * B[k, j]`` with each operand stored plain or transposed."""
+    a = _ref(_buf("A", K, M), "k", "i") if trans_a else _ref(_buf("A", M, K), "i", "k")
+    b = _ref(_buf("B", N, K), "j", "k") if trans_b else _ref(_buf("B", K, N), "k", "j")
+    c = _ref(_buf("C", N, M), "j", "i") if trans_c else _ref(_buf("C", M, N), "i", "j")
+    return _nest(order, EXTENTS, AugAssign(c, "+", BinOp("*", Load(a), Load(b))))
+
+
+def _numpy_matmul(kernel: Kernel, trans_a, trans_b, trans_c) -> tuple[dict, dict]:
+    mem = _random_memory(kernel)
+    by_name = {b.name: b for b in mem}
+    a = mem[by_name["A"]].reshape(K, M).T if trans_a else mem[by_name["A"]].reshape(M, K)
+    b = mem[by_name["B"]].reshape(N, K).T if trans_b else mem[by_name["B"]].reshape(K, N)
+    c = mem[by_name["C"]].reshape(N, M).T if trans_c else mem[by_name["C"]].reshape(M, N)
+    expected = c + a @ b
+    return mem, (expected.T if trans_c else expected).reshape(-1)
+
+
+@pytest.mark.parametrize("order", ["".join(p) for p in itertools.permutations("ijk")])
+def test_matmul_matches_in_every_loop_order(order):
+    kernel = match_gemm(_matmul(order))
+    assert kernel.body.stmts and all(isinstance(s, Gemm) for s in kernel.body.stmts)
+    (g,) = kernel.body.stmts
+    assert (g.m, g.n, g.k) == (M, N, K)
+    assert (g.trans_a, g.trans_b) == (False, False)
+    assert (g.lda, g.ldb, g.ldc) == (K, N, N)
+    assert (g.a_buf.name, g.b_buf.name, g.c_buf.name) == ("A", "B", "C")
+    assert g.a_off == g.b_off == g.c_off == Affine()
+    assert (g.alpha, g.beta) == (1.0, 1.0)
+
+
+@pytest.mark.parametrize("order", ["ijk", "kji", "jki"])
+@pytest.mark.parametrize("trans", list(itertools.product([False, True], repeat=3)),
+                         ids=lambda t: "".join("T" if x else "N" for x in t))
+def test_transposed_layouts_compute_the_product(order, trans):
+    kernel = _matmul(order, *trans)
+    matched = match_gemm(kernel)
+    (g,) = _gemms(matched)
+    assert g.m * g.n * g.k == M * N * K
+    mem, expected = _numpy_matmul(kernel, *trans)
+    run(matched, mem)
+    c = next(b for b in mem if b.name == "C")
+    np.testing.assert_allclose(mem[c], expected, rtol=1e-12)
+
+
+def test_transposed_a_operand():
+    (g,) = _gemms(match_gemm(_matmul("ijk", trans_a=True)))
+    assert (g.m, g.n, g.k, g.trans_a, g.trans_b, g.lda, g.ldb, g.ldc) == (M, N, K, True, False,
+                                                                          M, N, N)
+
+
+def test_transposed_c_swaps_operands():
+    (g,) = _gemms(match_gemm(_matmul("ijk", trans_c=True)))
+    # C^T[j, i] = sum_k B^T[j, k] A^T[k, i]
+    assert (g.m, g.n, g.k) == (N, M, K)
+    assert (g.a_buf.name, g.b_buf.name, g.ldc) == ("B", "A", M)
+
+
+def test_batch_dims_fold_into_m_or_stay_outside():
+    n_batch = 3
+    x, w = _buf("x", n_batch, M, K), _buf("w", N, K)
+    y = _buf("y", n_batch, M, N)
+    extents = {"b": n_batch, **EXTENTS}
+    # FC: the batch walks x and y contiguously with i, so it folds into m
+    fc = _nest("bijk", extents, AugAssign(_ref(y, "b", "i", "j"), "+",
+                                          BinOp("*", Load(_ref(x, "b", "i", "k")),
+                                                Load(_ref(w, "j", "k")))))
+    matched = match_gemm(fc)
+    (g,) = matched.body.stmts
+    assert isinstance(g, Gemm) and (g.m, g.n, g.k, g.trans_b) == (n_batch * M, N, K, True)
+    _same_result(fc, matched)
+    # a per-item B: one GEMM per batch item, under the batch loop
+    wb = _buf("wb", n_batch, K, N)
+    bmm = _nest("bijk", extents, AugAssign(_ref(y, "b", "i", "j"), "+",
+                                           BinOp("*", Load(_ref(x, "b", "i", "k")),
+                                                 Load(_ref(wb, "b", "k", "j")))))
+    matched = match_gemm(bmm)
+    (outer,) = matched.body.stmts
+    assert isinstance(outer, Loop) and outer.var == "b"
+    (g,) = outer.body.stmts
+    assert isinstance(g, Gemm) and (g.m, g.n, g.k) == (M, N, K)
+    assert g.c_off == Affine.of("b", M * N) and g.b_off == Affine.of("b", K * N)
+    _same_result(bmm, matched)
+
+
+def test_elementwise_nest_does_not_match():
+    a, b, c = _buf("A", M, N), _buf("B", M, N), _buf("C", M, N)
+    kernel = _nest("ij", EXTENTS, AugAssign(_ref(c, "i", "j"), "+",
+                                            BinOp("*", Load(_ref(a, "i", "j")),
+                                                  Load(_ref(b, "i", "j")))))
+    assert match_gemm(kernel) == kernel
+
+
+def test_non_gemm_shapes_are_left_alone():
+    (acc,) = [n for n in walk(_matmul("ijk")) if isinstance(n, AugAssign)]
+    assign = _nest("ijk", EXTENTS, Assign(acc.target, acc.value))
+    assert match_gemm(assign) == assign                # '=' is not an accumulation
+    small = {"i": 2, "j": 3, "k": 4}
+    tiny = _nest("ijk", small, AugAssign(_ref(_buf("C", 2, 3), "i", "j"), "+",
+                                         BinOp("*", Load(_ref(_buf("A", 2, 4), "i", "k")),
+                                               Load(_ref(_buf("B", 4, 3), "k", "j")))))
+    assert match_gemm(tiny) == tiny                    # below the size threshold
+    (loop,) = _matmul("ijk").body.stmts
+    shifted = Kernel("t", Block((Loop("i", 1, M, loop.body),)))
+    assert match_gemm(shifted) == shifted              # loops must start at 0
+
+
+# ---------------------------------------------------------------- loop distribution
+
+def test_distribution_splits_a_neuron_body_for_gemm():
+    n_batch, n_out, n_in = 8, 16, 32
+    x, w = _buf("x", n_batch, n_in), _buf("w", n_out, n_in)
+    bias, y = _buf("bias", n_out, 1), _buf("y", n_batch, n_out)
+    dot = Loop("i", 0, n_in, Block((AugAssign(_ref(y, "n", "d"), "+",
+                                              BinOp("*", Load(_ref(w, "d", "i")),
+                                                    Load(_ref(x, "n", "i")))),)))
+    add_bias = AugAssign(_ref(y, "n", "d"), "+", Load(_ref(bias, "d", Affine())))
+    kernel = Kernel("fc", Block((Loop("n", 0, n_batch, Block((
+        Loop("d", 0, n_out, Block((dot, add_bias))),))),)))
+    assert not _gemms(match_gemm(kernel))  # the bias statement hides the pattern
+    dist = distribute_loops(kernel)
+    assert len(dist.body.stmts) == 2 and all(isinstance(s, Loop) for s in dist.body.stmts)
+    _same_result(kernel, dist)
+    matched = match_gemm(dist)
+    assert isinstance(matched.body.stmts[0], Gemm) and isinstance(matched.body.stmts[1], Loop)
+    _same_result(kernel, matched)
+
+
+def test_distribution_keeps_statements_linked_by_a_local():
+    x, y, z = _buf("x", 4), _buf("y", 4), _buf("z", 4)
+    t = Var("t")
+    body = Block((Assign(t, BinOp("*", Load(_ref(x, "n")), Const(2.0))),
+                  AugAssign(_ref(y, "n"), "+", t),
+                  AugAssign(_ref(z, "n"), "+", Load(_ref(x, "n")))))
+    kernel = Kernel("k", Block((Loop("n", 0, 4, body),)))
+    dist = distribute_loops(kernel)
+    assert [len(s.body.stmts) for s in dist.body.stmts] == [2, 1]
+    _same_result(kernel, dist)
+
+
+def test_distribution_refuses_a_carried_dependence():
+    x, y, z = _buf("x", 5), _buf("y", 6), _buf("z", 5)
+    body = Block((Assign(_ref(y, "n"), Load(_ref(x, "n"))),
+                  Assign(_ref(z, "n"), Load(_ref(y, Affine.of("n", 1, 1))))))  # reads y[n+1]
+    kernel = Kernel("k", Block((Loop("n", 0, 5, body),)))
+    assert distribute_loops(kernel) == kernel
