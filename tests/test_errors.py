@@ -10,9 +10,17 @@ import numpy as np
 import pytest
 
 from latte import Ensemble, Net, Neuron, Param, add_connections
-from latte.errors import DataError, MappingError, NeuronSyntaxError, ShapeError, TrainingError
+from latte.errors import CompileError, DataError, MappingError, NeuronSyntaxError, ShapeError, TrainingError
 from latte.solvers import SGD, LRPolicy, SolverParameters, solve
-from latte.stdlib import ArrayDataLayer, FullyConnectedLayer, HDF5DataLayer, MemoryDataLayer, SoftmaxLossLayer
+from latte.stdlib import (
+    ArrayDataLayer,
+    FullyConnectedLayer,
+    HDF5DataLayer,
+    MemoryDataLayer,
+    ReLULayer,
+    SoftmaxLossLayer,
+    TanhLayer,
+)
 
 
 class PassNeuron(Neuron):
@@ -180,3 +188,38 @@ def test_missing_checkpoint(tmp_path):
     path = tmp_path / "missing.npz"
     with pytest.raises(DataError, match="missing.npz"):
         net.load(path)
+
+
+def test_in_place_activation_with_another_reader():
+    net = Net(2)
+    x = MemoryDataLayer(net, "x", (4,))
+    fc = FullyConnectedLayer("fc", net, x, 3)
+    ReLULayer("relu", net, fc)
+    FullyConnectedLayer("other", net, fc, 2)
+    with pytest.raises(MappingError, match=r"'relu' works in place on 'fc', but \['other'\] also read"):
+        net.init()
+
+
+def test_chained_in_place_activations():
+    net = Net(2)
+    x = MemoryDataLayer(net, "x", (4,))
+    relu = ReLULayer("relu", net, FullyConnectedLayer("fc", net, x, 3))
+    TanhLayer("tanh", net, relu)
+    with pytest.raises(MappingError, match="'tanh' works in place on 'relu', itself an in-place"):
+        net.init()
+
+
+def test_out_of_range_index_in_neuron_body():
+    class Shifted(Neuron):
+        w: Param
+
+        def forward(self):
+            for i in range(len(self.inputs[0])):
+                self.value += self.w[i + 1] * self.inputs[0][i]
+
+    net = Net(2)
+    x = MemoryDataLayer(net, "x", (4,))
+    ens = Ensemble(net, "shifted", Shifted, (3,), w=np.ones((3, 4), np.float32))
+    add_connections(net, x, ens, lambda o: (range(4),))
+    with pytest.raises(CompileError, match=r"shifted.forward: index 1..4 of dimension 1 of shifted.w"):
+        net.init()
