@@ -25,6 +25,7 @@ from latte.errors import LatteError
 from latte.lang import Phase
 from latte.net import Net
 from latte.overrides import OVERRIDES
+from latte.runtime import distributed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     script = os.path.abspath(args.script)
     if not os.path.isfile(script):
         return _fail(f"can't open script {args.script!r}: no such file")
+    if distributed.active():
+        return _on_every_rank(args, script)
+    return _act(args, script)
+
+
+def _act(args: argparse.Namespace, script: str) -> int:
     try:
         return args.action(args, script)
     except KeyboardInterrupt:
@@ -48,6 +55,18 @@ def main(argv: list[str] | None = None) -> int:
         return _exit_status(e)
     except Exception as e:
         return _fail(_describe(e, script), e)
+
+
+def _on_every_rank(args: argparse.Namespace, script: str) -> int:
+    """Under ``mpiexec``: run as one rank; a failing rank names itself (see :func:`_fail`)
+    and takes the job down with ``Abort``, so no other rank hangs in a reduction."""
+    rank = distributed.rank()   # initializes MPI before the script runs
+    status = _act(args, script)
+    if status != 0:
+        print(f"latte: rank {rank} exits with status {status}: stopping every rank",
+              file=sys.stderr, flush=True)
+        distributed.abort(status)
+    return status
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,20 +112,26 @@ def _count(low: int) -> Callable[[str], int]:
 # ---------------------------------------------------------------- latte run
 def _run(args: argparse.Namespace, script: str) -> int:
     profiler = _Profiler() if args.profile else None
-    progress = _Progress(sys.stderr)
+    leader = distributed.rank() == 0   # under MPI only rank 0 prints progress
+    progress = _Progress(sys.stderr) if leader else _silent
     with contextlib.ExitStack() as stack:
         stack.enter_context(_overrides(max_epoch=args.max_epoch, num_threads=args.threads,
                                        seed=args.seed, opt_level=args.opt_level,
                                        profile=args.profile or None, progress=progress))
-        stack.callback(progress.close)
+        if leader:
+            stack.callback(progress.close)
         if profiler:
             stack.enter_context(profiler.installed())
         start = time.perf_counter()
         _run_script(script)
         elapsed = time.perf_counter() - start
-    if profiler:
+    if profiler and leader:
         profiler.report(elapsed, sys.stderr)
     return 0
+
+
+def _silent(event: str, **info: Any) -> None:
+    """The progress callback of ranks other than 0."""
 
 
 class _Progress:
@@ -321,7 +346,9 @@ def _fail(message: str, exc: BaseException | None = None) -> int:
     if exc is not None and os.environ.get("LATTE_TRACEBACK", "") not in ("", "0"):
         traceback.print_exception(exc)
     paragraph = re.sub(r"\s*\n\s*", " ", message.strip())
-    print(f"latte: error: {paragraph}", file=sys.stderr)
+    if distributed.active():
+        paragraph = f"rank {distributed.rank()} failed: {paragraph}"
+    print(f"latte: error: {paragraph}", file=sys.stderr, flush=True)
     return 1
 
 

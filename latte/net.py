@@ -16,6 +16,7 @@ from latte.compiler.blas import set_blas_threads
 from latte.errors import DataError, LatteError
 from latte.lang import DataEnsemble, Graph, NormalizationEnsemble, Phase
 from latte.overrides import pick
+from latte.runtime import distributed
 from latte.runtime.executor import Executor
 from latte.runtime.memory import Memory
 
@@ -39,8 +40,10 @@ class Net(Graph):
                  seed: int | None = None, deterministic: bool = False):
         super().__init__(batch_size)
         self.num_threads = pick("num_threads", num_threads)
+        if self.num_threads is None and distributed.active():
+            self.num_threads = 1   # one compute thread per rank unless told otherwise
         self.opt_level = int(pick("opt_level", opt_level))
-        self.seed = pick("seed", seed)
+        self.seed = distributed.shared_seed(pick("seed", seed))
         self.deterministic = bool(deterministic)
         if not 0 <= self.opt_level <= 3:
             raise ValueError(f"opt_level must be 0..3, got {self.opt_level}")
@@ -51,6 +54,7 @@ class Net(Graph):
         self.valid = self.batch_size
         self._executor = None
         self._memory = None
+        self._comm: distributed.Communicator | None = None
 
     # ------------------------------------------------------------ compile
     def init(self) -> None:
@@ -59,9 +63,11 @@ class Net(Graph):
             return
         threads = self.num_threads or os.cpu_count() or 1
         set_blas_threads(threads)
-        self.program = compile_net(self, self.opt_level)
+        self.program = compile_net(self, self.opt_level, split_segments=distributed.active())
         self._memory = Memory(self.program)
-        self._executor = Executor(self.program, self._memory)
+        self._comm = (distributed.Communicator(os.environ.get("LATTE_MPI_OVERLAP") != "0")
+                      if distributed.active() else None)
+        self._executor = Executor(self.program, self._memory, self._comm)
         bufs = self.program.buffers
         self.params = []
         for ens, name in self.program.params:
@@ -71,6 +77,8 @@ class Net(Graph):
                                          self._memory[bufs.history(ens, name)],
                                          f.spec.lr_mult, f.spec.decay_mult))
         self._scalars = self._memory[bufs.scalars(3 * len(self.params))]
+        for p in self.params:   # every rank starts from rank 0's parameters
+            distributed.broadcast(p.value)
 
     def _ready(self) -> None:
         if self.program is None:
@@ -106,6 +114,11 @@ class Net(Graph):
         for i, p in enumerate(self.params):
             s[i] = (lr * p.lr_mult, momentum, regu_coef * p.decay_mult)
         self._executor.update()
+
+    @property
+    def comm_stats(self) -> dict[str, float] | None:
+        """Under MPI: gradient-reduction time left exposed per step (None otherwise)."""
+        return self._comm.stats if self._comm is not None else None
 
     # ------------------------------------------------------------ views
     def value(self, ens_or_name) -> np.ndarray:

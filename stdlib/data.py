@@ -3,6 +3,8 @@
 Data layers move data; they compute nothing. A source fills its ensembles before each
 forward pass: training batches follow a (seeded) permutation, reshuffled every epoch; test
 batches walk the set in order, and the last, partial batch reports how many items are real.
+Under MPI with N ranks a global batch is N consecutive batches of the order; rank r loads
+the r-th (every rank draws the same permutation from the shared seed).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 
 from latte.errors import DataError, ShapeError
 from latte.lang import DataEnsemble, Phase
+from latte.runtime import distributed
 
 
 class ArraySource:
@@ -29,6 +32,7 @@ class ArraySource:
         self.order = {p: np.arange(len(s[1])) for p, s in self.sets.items()}
         self.epoch = {p: 0 for p in Phase}
         self.batch = net.batch_size
+        self.ranks, self.rank = distributed.world_size(), distributed.rank()
         self.data = self.label = None
         if shuffle:
             self.order[Phase.TRAIN] = self.rng.permutation(len(self.sets[Phase.TRAIN][1]))
@@ -37,23 +41,24 @@ class ArraySource:
         return len(self.sets[phase][1]) if phase in self.sets else 0
 
     def batches_per_epoch(self, phase: Phase) -> int:
-        n = self.num_samples(phase)
-        return max(1, n // self.batch) if phase is Phase.TRAIN else math.ceil(n / self.batch)
+        n, b = self.num_samples(phase), self.batch * self.ranks
+        return max(1, n // b) if phase is Phase.TRAIN else math.ceil(n / b)
 
     def reset(self, phase: Phase) -> None:
         self.cursor[phase] = 0
 
     def _indices(self, phase: Phase) -> tuple[np.ndarray, int]:
-        n, b = self.num_samples(phase), self.batch
+        n, b = self.num_samples(phase), self.batch * self.ranks   # the global batch
         start = self.cursor[phase]
         if phase is Phase.TRAIN and start + b > n:  # new epoch
             self.epoch[phase] += 1
             if self.shuffle:
                 self.order[phase] = self.rng.permutation(n)
             start = 0
-        take = np.arange(start, start + b) % n
-        valid = min(b, n - start)
         self.cursor[phase] = 0 if start + b >= n and phase is Phase.TEST else start + b
+        start += self.rank * self.batch   # this rank's shard
+        take = np.arange(start, start + self.batch) % n
+        valid = max(0, min(self.batch, n - start))
         return self.order[phase][take], valid
 
     def load(self, net, phase: Phase) -> int:

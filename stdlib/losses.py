@@ -6,6 +6,7 @@ import numpy as np
 
 from latte.errors import ShapeError
 from latte.lang import NormalizationEnsemble
+from latte.runtime import distributed
 
 
 def _labels(label: np.ndarray, n_classes: int, who: str, valid: int) -> np.ndarray:
@@ -28,6 +29,7 @@ class SoftmaxLoss(NormalizationEnsemble):
             raise ShapeError(f"loss {name!r}: label ensemble {label.name!r} must have shape (1,)")
         super().__init__(net, name, [input_ens, label], (1,))
         self.prob = None
+        self.counts = np.zeros(2)   # (correct arg-max predictions, items), all ranks
         self.scale = 1.0   # 1 / number of items the loss averages over (all ranks)
 
     def forward(self, inputs, value, valid):
@@ -39,13 +41,15 @@ class SoftmaxLoss(NormalizationEnsemble):
         self.prob = np.exp(x - logsum[:, None])
         value[...] = 0.0
         value[:valid, 0] = nll
-        total = self.reduce(np.array([nll.sum(), valid], np.float64))
+        hits = (x.argmax(axis=1) == idx).sum()
+        total = self.reduce(np.array([nll.sum(), valid, hits], np.float64))
+        self.counts = total[[2, 1]]
         self.scale = 1.0 / max(1.0, total[1])
         self.loss = float(total[0] * self.scale)
 
     def reduce(self, sums: np.ndarray) -> np.ndarray:
         """Sum ``sums`` over data-parallel ranks (identity on one process)."""
-        return sums
+        return distributed.allreduce_sum(sums)
 
     def backward(self, inputs, grad_inputs, value, grad, valid):
         idx = _labels(inputs[1], self.prob.shape[1], f"loss {self.name!r}", valid)
@@ -56,7 +60,10 @@ class SoftmaxLoss(NormalizationEnsemble):
 
 
 class Accuracy(NormalizationEnsemble):
-    """Fraction of batch items whose arg-max matches the label; ``value`` is 1 per hit."""
+    """Fraction of batch items whose arg-max matches the label; ``value`` is 1 per hit.
+
+    ``counts`` (hits, items) and ``accuracy`` cover the batch of every rank under MPI.
+    """
 
     def __init__(self, name: str, net, input_ens, label):
         super().__init__(net, name, [input_ens, label], (1,))
@@ -69,8 +76,8 @@ class Accuracy(NormalizationEnsemble):
         hit = (x.argmax(axis=1) == idx).astype(np.float32)
         value[...] = 0.0
         value[:valid, 0] = hit
-        self.counts = np.array([hit.sum(), valid], np.float64)
-        self.accuracy = float(self.counts[0] / max(1, valid))
+        self.counts = distributed.allreduce_sum(np.array([hit.sum(), valid], np.float64))
+        self.accuracy = float(self.counts[0] / max(1.0, self.counts[1]))
 
 
 def SoftmaxLossLayer(name: str, net, input_ens, label) -> SoftmaxLoss:

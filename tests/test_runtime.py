@@ -229,3 +229,19 @@ def test_solve_decreases_the_loss():
 def test_opt_level_is_checked(bad):
     with pytest.raises(ValueError, match="opt_level"):
         Net(2, opt_level=bad)
+
+
+def test_test_accuracy_without_accuracy_layer():
+    """With a test set but no AccuracyLayer, accuracy comes from the softmax loss's arg-max."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 5)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int64)
+    net = Net(8, seed=0)
+    data, label = ArrayDataLayer(net, (x, y), test=(x, y), shuffle=False)
+    loss = SoftmaxLossLayer("loss", net, FullyConnectedLayer("fc", net, data, 2), label)
+    history = solve(SGD(SolverParameters(lr_policy=LRPolicy.Fixed(0.5), max_epoch=3)), net)
+    assert len(history.test_accuracy) == 3
+    net.forward(Phase.TEST)
+    logits = net.value(loss.inputs[0])
+    expected = (logits.argmax(axis=1) == y[:8]).mean()
+    assert loss.counts[1] == 8 and loss.counts[0] / 8 == pytest.approx(expected)

@@ -9,7 +9,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from latte.compiler.buffers import BufferPlan, storage_owner
+from latte.compiler.buffers import BufferPlan
 from latte.compiler.codegen import ModuleBuilder
 from latte.compiler.ir import (
     Affine,
@@ -88,8 +88,12 @@ def _dump(kind: str, title: str, text: str) -> None:
         print(f"==== {title}\n{text}", file=sys.stderr)
 
 
-def compile_net(net, opt_level: int = 3) -> Program:
-    """Analyse, synthesize, optimize and JIT-compile ``net``."""
+def compile_net(net, opt_level: int = 3, split_segments: bool = False) -> Program:
+    """Analyse, synthesize, optimize and JIT-compile ``net``.
+
+    ``split_segments`` gives each ensemble's backward its own native segment, so the runtime
+    can act (start gradient reductions over MPI) between ensembles.
+    """
     bufs = BufferPlan(net.batch_size)
     _check_activations(net)
     for ens in net.ensembles:  # every ensemble has values and gradients, used or not
@@ -125,7 +129,7 @@ def compile_net(net, opt_level: int = 3) -> Program:
     params = [(e, f.name) for e in net.ensembles if isinstance(e, Ensemble) for f in e.params]
     by_ens = {p.ensemble: p for p in plans}
     forward = _steps(net.ensembles, by_ens, "forward", "fwd")
-    backward = _steps(reversed(net.ensembles), by_ens, "backward", "bwd")
+    backward = _steps(reversed(net.ensembles), by_ens, "backward", "bwd", split_segments)
     zero = Kernel("zero_grads", _zero_grads(net, bufs, dead | pre_zeroed), None, "backward")
     if backward and isinstance(backward[0], Segment):
         backward[0] = Segment(backward[0].name, (zero, *backward[0].kernels))
@@ -148,7 +152,8 @@ def _segments(program: Program):
     return [s for s in program.forward + program.backward if isinstance(s, Segment)] + [program.update]
 
 
-def _steps(ensembles, by_ens, phase: str, prefix: str) -> list:
+def _steps(ensembles, by_ens, phase: str, prefix: str, split: bool = False) -> list:
+    """Consecutive kernels grouped into segments (one per kernel when ``split``)."""
     steps, run = [], []
 
     def flush():
@@ -161,6 +166,8 @@ def _steps(ensembles, by_ens, phase: str, prefix: str) -> list:
             kernel = by_ens[ens].kernels[phase]
             if kernel.body.stmts:
                 run.append(kernel)
+                if split:
+                    flush()
         elif isinstance(ens, NormalizationEnsemble):
             flush()
             steps.append(HostStep(ens, phase))
@@ -169,17 +176,24 @@ def _steps(ensembles, by_ens, phase: str, prefix: str) -> list:
 
 
 def _check_activations(net) -> None:
+    """An in-place activation must be the only reader of its source's values."""
     for ens in net.ensembles:
-        if isinstance(ens, ActivationEnsemble):
-            owner = storage_owner(ens)
-            readers = [c.sink.name for c in net.connections if storage_owner(c.source) is owner
-                       and c.source is not ens]
-            readers += [e.name for e in net.ensembles if isinstance(e, NormalizationEnsemble)
-                        and any(storage_owner(i) is owner and i is not ens for i in e.inputs)]
-            if readers:
-                raise MappingError(f"activation {ens.name!r} works in place on {ens.source.name!r}, "
-                                   f"but {readers} also read {ens.source.name!r}; connect them to "
-                                   f"{ens.name!r} instead or use a non in-place layer")
+        if not isinstance(ens, ActivationEnsemble):
+            continue
+        src = ens.source
+        if isinstance(src, ActivationEnsemble):
+            raise MappingError(f"activation {ens.name!r} works in place on {src.name!r}, itself an "
+                               "in-place activation; chained in-place activations would back-"
+                               "propagate through overwritten values")
+        readers = [c.sink.name for c in net.connections if c.source is src]
+        readers += [e.name for e in net.ensembles if isinstance(e, NormalizationEnsemble)
+                    and any(i is src for i in e.inputs)]
+        readers += [e.name for e in net.ensembles if isinstance(e, ActivationEnsemble)
+                    and e.source is src and e is not ens]
+        if readers:
+            raise MappingError(f"activation {ens.name!r} works in place on {src.name!r}, but "
+                               f"{readers} also read {src.name!r}; connect them to {ens.name!r} "
+                               "instead or use a layer that is not in place")
 
 
 def _zero_grads(net, bufs: BufferPlan, dead) -> Block:

@@ -8,9 +8,12 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from latte.errors import TrainingError
 from latte.lang import Phase
 from latte.overrides import pick
+from latte.runtime import distributed
 from latte.solvers.policies import LRPolicy, MomPolicy
 
 
@@ -50,22 +53,29 @@ class SGD:
 
 
 def _test(net) -> tuple[float | None, float | None]:
-    """Accuracy and loss over the whole test set (None when there is no test set)."""
-    from latte.stdlib.losses import Accuracy  # noqa: PLC0415 - stdlib is optional here
+    """Accuracy and loss over the whole test set (None when there is no test set).
+
+    Accuracy comes from an AccuracyLayer, or else from a softmax loss's arg-max.
+    """
+    from latte.stdlib.losses import Accuracy, SoftmaxLoss  # noqa: PLC0415 - stdlib is optional here
 
     sources = net.data_sources()
     if not sources or any(s.num_samples(Phase.TEST) == 0 for s in sources):
         return None, None
-    accs = [e for e in net.ensembles if isinstance(e, Accuracy)]
+    accs = ([e for e in net.ensembles if isinstance(e, Accuracy)]
+            or [e for e in net.ensembles if isinstance(e, SoftmaxLoss)])
     for s in sources:
         s.reset(Phase.TEST)
     hits = count = loss_sum = 0.0
     for _ in range(max(s.batches_per_epoch(Phase.TEST) for s in sources)):
         net.forward(Phase.TEST)
+        # items in this batch over all ranks (the loss is already averaged over them)
+        valid = float(accs[0].counts[1] if accs else
+                      distributed.allreduce_sum(np.array([net.valid], np.float64))[0])
         if accs:
             hits += accs[0].counts[0]
-        loss_sum += net.loss * net.valid
-        count += net.valid
+        loss_sum += net.loss * valid
+        count += valid
     return (hits / count if accs else None), loss_sum / count
 
 
@@ -83,7 +93,8 @@ def solve(solver: SGD, net, progress=None) -> History:
     history = History()
     start_it = int(net.solver_state.get("iteration", 0))
     start_epoch = int(net.solver_state.get("epoch", 0))
-    log = _Log(params.snapshot_dir)
+    leader = distributed.rank() == 0   # under MPI only rank 0 logs and writes snapshots
+    log = _Log(params.snapshot_dir if leader else None)
     it = start_it
     for epoch in range(start_epoch, params.max_epoch):
         t0 = time.perf_counter()
@@ -99,7 +110,7 @@ def solve(solver: SGD, net, progress=None) -> History:
             it += 1
             if progress:
                 progress("iteration", epoch=epoch, iteration=it, iterations=iters, loss=loss,
-                         images=net.batch_size)
+                         images=net.batch_size * distributed.world_size())
         history.epoch_seconds.append(time.perf_counter() - t0)
         acc, test_loss = _test(net)
         if acc is not None:
@@ -108,7 +119,7 @@ def solve(solver: SGD, net, progress=None) -> History:
             history.test_loss.append(test_loss)
         net.solver_state = {"iteration": it, "epoch": epoch + 1}
         log.epoch(epoch, it, history, acc, test_loss)
-        if params.snapshot_dir:
+        if params.snapshot_dir and leader:
             net.save(os.path.join(params.snapshot_dir, "snapshot.npz"))
         if progress:
             progress("epoch", epoch=epoch, accuracy=acc, test_loss=test_loss,
