@@ -28,11 +28,12 @@ def _data():
             rng.integers(0, SIZES[-1], BATCH * 8))
 
 
-def latte_worker(threads: int, repeat: int) -> dict:
+def latte_mlp(batch: int, threads: int):
+    """The benchmark MLP in latte, compiled."""
     from latte import Net
     from latte.stdlib import ArrayDataLayer, FullyConnectedLayer, ReLULayer, SoftmaxLossLayer
 
-    net = Net(BATCH, num_threads=threads, seed=0)
+    net = Net(batch, num_threads=threads, seed=0)
     data, label = ArrayDataLayer(net, _data(), shuffle=False)
     h = data
     for i, n in enumerate(SIZES[1:]):
@@ -41,6 +42,11 @@ def latte_worker(threads: int, repeat: int) -> dict:
             h = ReLULayer(f"relu{i}", net, h)
     SoftmaxLossLayer("loss", net, h, label)
     net.init()
+    return net
+
+
+def latte_worker(threads: int, repeat: int) -> dict:
+    net = latte_mlp(BATCH, threads)
 
     def step():
         net.forward()

@@ -19,26 +19,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import emit, median_ms, run_worker, table, worker_args  # noqa: E402
-from mlp import SIZES, _data  # noqa: E402
+from mlp import SIZES, latte_mlp  # noqa: E402
 
 GLOBAL_BATCH = 128
 
 
 def latte_worker(threads: int, repeat: int) -> dict:
-    from latte import Net
     from latte.runtime import distributed
-    from latte.stdlib import ArrayDataLayer, FullyConnectedLayer, ReLULayer, SoftmaxLossLayer
 
-    ranks = distributed.world_size()
-    net = Net(GLOBAL_BATCH // ranks, num_threads=threads, seed=0)
-    data, label = ArrayDataLayer(net, _data(), shuffle=False)
-    h = data
-    for i, n in enumerate(SIZES[1:]):
-        h = FullyConnectedLayer(f"ip{i}", net, h, n)
-        if i < len(SIZES) - 2:
-            h = ReLULayer(f"relu{i}", net, h)
-    SoftmaxLossLayer("loss", net, h, label)
-    net.init()
+    net = latte_mlp(GLOBAL_BATCH // distributed.world_size(), threads)
 
     def step():
         net.forward()
