@@ -8,6 +8,7 @@ medians side by side, measured in the same run.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -56,7 +57,7 @@ def openblas_core() -> str:
     from latte.compiler.blas import blas  # noqa: PLC0415
 
     lib = blas()
-    lib.scipy_openblas_get_corename.restype = __import__("ctypes").c_char_p
+    lib.scipy_openblas_get_corename.restype = ctypes.c_char_p
     return lib.scipy_openblas_get_corename().decode()
 
 

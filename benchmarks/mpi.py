@@ -36,7 +36,9 @@ def latte_worker(threads: int, repeat: int) -> dict:
 
     ms = median_ms(step, repeat=repeat)
     if distributed.comm() is not None:   # every rank's median; report the slowest
-        ms = distributed.comm().allreduce(ms, op=__import__("mpi4py").MPI.MAX)
+        from mpi4py import MPI
+
+        ms = distributed.comm().allreduce(ms, op=MPI.MAX)
     stats = net.comm_stats or {}
     return {"step": ms, "exposed": stats.get("exposed_ms_per_step")}
 

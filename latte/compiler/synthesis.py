@@ -178,8 +178,6 @@ class _Synth:
                     whole.append(node)
                     continue
                 other |= any(Var(s.var) in walk(e) for e in node.index)
-            elif isinstance(node, Var) and node.name == s.var:
-                pass
         n_uses = sum(1 for node in walk(s.body) if node == Var(s.var))
         conns = {r.conn for r in whole if r.kind in ("input", "grad_input")}
         if other or n_uses != len(whole) or len(conns) != 1 or s.start != 0:

@@ -124,6 +124,9 @@ class NormalizationEnsemble(BaseEnsemble):
     """
 
     is_loss = False
+    # (correct predictions, items) of the last batch over all ranks, for ensembles that
+    # score predictions against labels; the test pass reports accuracy from it
+    counts: np.ndarray | None = None
 
     def __init__(self, net, name: str, inputs: list[BaseEnsemble], shape):
         self.inputs = list(inputs)

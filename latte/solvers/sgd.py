@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from latte.errors import TrainingError
-from latte.lang import Phase
+from latte.lang import NormalizationEnsemble, Phase
 from latte.overrides import pick
 from latte.runtime import distributed
 from latte.solvers.policies import LRPolicy, MomPolicy
@@ -55,15 +55,14 @@ class SGD:
 def _test(net) -> tuple[float | None, float | None]:
     """Accuracy and loss over the whole test set (None when there is no test set).
 
-    Accuracy comes from an AccuracyLayer, or else from a softmax loss's arg-max.
+    Accuracy comes from the first ensemble that scores predictions (``counts``): an
+    AccuracyLayer, or a softmax loss's arg-max.
     """
-    from latte.stdlib.losses import Accuracy, SoftmaxLoss  # noqa: PLC0415 - stdlib is optional here
-
     sources = net.data_sources()
     if not sources or any(s.num_samples(Phase.TEST) == 0 for s in sources):
         return None, None
-    accs = ([e for e in net.ensembles if isinstance(e, Accuracy)]
-            or [e for e in net.ensembles if isinstance(e, SoftmaxLoss)])
+    accs = [e for e in net.ensembles
+            if isinstance(e, NormalizationEnsemble) and e.counts is not None]
     for s in sources:
         s.reset(Phase.TEST)
     hits = count = loss_sum = 0.0

@@ -11,9 +11,21 @@ only accumulated into by both; statements sharing a local scalar stay together.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
-from latte.compiler.ir import Assign, AugAssign, Block, Kernel, Load, Loop, Ref, Var, walk, written_refs
+from latte.compiler.ir import (
+    Assign,
+    AugAssign,
+    Block,
+    Buffer,
+    Kernel,
+    Load,
+    Loop,
+    Ref,
+    Var,
+    walk,
+    written_refs,
+)
 
 
 def distribute_loops(kernel: Kernel) -> Kernel:
@@ -61,36 +73,41 @@ def _groups(stmts) -> list[list]:
     return groups
 
 
-def _accesses(group) -> dict:
-    """buffer -> (set of index tuples, loaded?, only accumulated with +=?)"""
-    acc: dict = {}
+@dataclass
+class _Use:
+    """How one statement group uses one buffer."""
+
+    indices: set = field(default_factory=set)
+    loaded: bool = False
+    accumulated_only: bool = True   # every store is a ``+=``
+
+
+def _uses(group) -> dict[Buffer, _Use]:
+    uses: dict[Buffer, _Use] = {}
     for s in group:
         for n in walk(s):
             if isinstance(n, Ref):
-                idx, loaded, accum = acc.get(n.buffer, (set(), False, True))
-                acc[n.buffer] = (idx | {n.index}, loaded, accum)
-            if isinstance(n, Load) and isinstance(n.ref, Ref):
-                idx, _, accum = acc[n.ref.buffer] if n.ref.buffer in acc else (set(), False, True)
-                acc[n.ref.buffer] = (idx | {n.ref.index}, True, accum)
-            if isinstance(n, Assign) and isinstance(n.target, Ref) or (
-                    isinstance(n, AugAssign) and isinstance(n.target, Ref) and n.op != "+"):
-                idx, loaded, _ = acc.get(n.target.buffer, (set(), False, True))
-                acc[n.target.buffer] = (idx, loaded, False)
-    return acc
+                uses.setdefault(n.buffer, _Use()).indices.add(n.index)
+            elif isinstance(n, Load) and isinstance(n.ref, Ref):
+                uses.setdefault(n.ref.buffer, _Use()).loaded = True
+            elif isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Ref) and not (
+                    isinstance(n, AugAssign) and n.op == "+"):
+                uses.setdefault(n.target.buffer, _Use()).accumulated_only = False
+    return uses
 
 
 def _independent(groups) -> bool:
     written = [{r.buffer for s in g for r in written_refs(s)} for g in groups]
-    acc = [_accesses(g) for g in groups]
+    uses = [_uses(g) for g in groups]
     for i in range(len(groups)):
         for j in range(len(groups)):
             if i == j:
                 continue
-            for buf in written[i] & set(acc[j]):
-                idx_i, loaded_i, accum_i = acc[i][buf]
-                idx_j, loaded_j, accum_j = acc[j][buf]
-                same_point = len(idx_i | idx_j) == 1
-                commutative = accum_i and accum_j and not loaded_i and not loaded_j
+            for buf in written[i] & uses[j].keys():
+                a, b = uses[i][buf], uses[j][buf]
+                same_point = len(a.indices | b.indices) == 1
+                commutative = (a.accumulated_only and b.accumulated_only
+                               and not a.loaded and not b.loaded)
                 if not (same_point or commutative):
                     return False
     return True
