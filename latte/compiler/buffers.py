@@ -22,8 +22,9 @@ def storage_owner(ens):
 class BufferPlan:
     """Creates each buffer once and hands out the same object for the same key."""
 
-    def __init__(self, batch_size: int):
+    def __init__(self, batch_size: int, threads: int = 1):
         self.batch_size = batch_size
+        self.threads = threads
         self.buffers: dict[tuple, Buffer] = {}
 
     def _get(self, key: tuple, name: str, shape: tuple[int, ...], dtype: str = "float32",
@@ -62,6 +63,14 @@ class BufferPlan:
     def table(self, conn, shape: tuple[int, ...]) -> Buffer:
         return self._get((conn, "table"), f"{conn.source.name}->{conn.sink.name}.table", shape,
                          "int32")
+
+    def scratch(self, key: tuple, name: str, shape: tuple[int, ...]) -> Buffer:
+        """A per-thread tile buffer: one ``shape`` slice per thread."""
+        return self._get(("scratch", *key), name, (self.threads, *shape))
+
+    def private(self, buf: Buffer) -> Buffer:
+        """Per-thread private copies of ``buf`` (gradients accumulated in parallel)."""
+        return self._get((buf, "private"), f"{buf.name}.private", (self.threads, *buf.shape))
 
     def scalars(self, count: int) -> Buffer:
         """Per-step scalars the runtime writes (learning rates, momenta, decays)."""

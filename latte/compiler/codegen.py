@@ -27,6 +27,7 @@ from latte.compiler.ir import (
     Kernel,
     Load,
     Loop,
+    LoopKind,
     Ref,
     Select,
     UnaryOp,
@@ -36,9 +37,11 @@ from latte.compiler.ir import (
 from latte.errors import CompileError
 
 F32, I32, I64, I1 = ir.FloatType(), ir.IntType(32), ir.IntType(64), ir.IntType(1)
+I8P = ir.IntType(8).as_pointer()
 PTR = ir.PointerType(F32)
 FAST = ("reassoc", "contract", "nsz")
 SGEMM = "scipy_cblas_sgemm"
+TID = "_tid"   # the thread number inside a parallel loop (0 outside)
 _FCMP = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
 
 
@@ -49,9 +52,10 @@ def _elem_type(buf: Buffer):
 class ModuleBuilder:
     """Builds one LLVM module of segments over a fixed buffer table."""
 
-    def __init__(self, buffer_index: dict[Buffer, int], name: str = "latte"):
+    def __init__(self, buffer_index: dict[Buffer, int], threads: int = 1, name: str = "latte"):
         self.module = ir.Module(name=name)
         self.buffer_index = buffer_index
+        self.threads = threads
         self._decls: dict[str, ir.Function] = {}
         self._kernels = 0
 
@@ -79,12 +83,19 @@ class ModuleBuilder:
 
     def _kernel(self, kernel: Kernel, bufs: list[Buffer]) -> ir.Function:
         self._kernels += 1
-        fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * len(bufs)),
-                         f"k{self._kernels}_{_mangle(kernel.name)}")
-        fn.linkage = "internal"
-        for arg in fn.args:
-            arg.add_attribute("noalias")
+        fn = self.function(f"k{self._kernels}_{_mangle(kernel.name)}", len(bufs), [])
         _KernelEmitter(self, fn, dict(zip(bufs, fn.args)), kernel).emit()
+        return fn
+
+    def function(self, name: str, n_buffers: int, ints: list[str]) -> ir.Function:
+        """An internal ``void name(ptr noalias x n_buffers, i64 ints...)``."""
+        fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR] * n_buffers
+                                                      + [I64] * len(ints)), name)
+        fn.linkage = "internal"
+        for arg in fn.args[:n_buffers]:
+            arg.add_attribute("noalias")
+        for arg, n in zip(fn.args[n_buffers:], ints):
+            arg.name = n
         return fn
 
 
@@ -102,7 +113,7 @@ class _KernelEmitter:
         self.mb, self.fn, self.args, self.kernel = mb, fn, args, kernel
         self.entry = fn.append_basic_block("entry")
         self.b = ir.IRBuilder(self.entry)
-        self.loop_vars: dict[str, ir.Value] = {}
+        self.loop_vars: dict[str, ir.Value] = {TID: ir.Constant(I64, 0)}
         self.locals: dict[str, ir.Value] = {}
 
     def emit(self):
@@ -137,24 +148,87 @@ class _KernelEmitter:
             raise CompileError(f"codegen: unexpected statement {type(s).__name__}")
 
     def loop(self, s: Loop):
+        if s.kind is LoopKind.PARALLEL and self.mb.threads > 1:
+            self.parallel(s)
+            return
+        self.counted(s.var, ir.Constant(I64, s.start), ir.Constant(I64, s.stop),
+                     lambda iv: self.block(s.body))
+
+    def counted(self, name: str, lo: ir.Value, hi: ir.Value, body) -> None:
+        """``for name in range(lo, hi): body(iv)`` with ``name`` bound to ``iv`` inside."""
         b = self.b
         pre = b.block
-        header = self.fn.append_basic_block(f"{s.var}.head")
-        body = self.fn.append_basic_block(f"{s.var}.body")
-        exit_ = self.fn.append_basic_block(f"{s.var}.exit")
+        header = self.fn.append_basic_block(f"{name}.head")
+        block = self.fn.append_basic_block(f"{name}.body")
+        exit_ = self.fn.append_basic_block(f"{name}.exit")
         b.branch(header)
         b.position_at_end(header)
-        iv = b.phi(I64, name=s.var)
-        iv.add_incoming(ir.Constant(I64, s.start), pre)
-        b.cbranch(b.icmp_signed("<", iv, ir.Constant(I64, s.stop)), body, exit_)
-        b.position_at_end(body)
-        self.loop_vars[s.var] = iv
-        self.block(s.body)
-        del self.loop_vars[s.var]
-        nxt = b.add(iv, ir.Constant(I64, 1), name=f"{s.var}.next", flags=("nsw", "nuw"))
+        iv = b.phi(I64, name=name)
+        iv.add_incoming(lo, pre)
+        b.cbranch(b.icmp_signed("<", iv, hi), block, exit_)
+        b.position_at_end(block)
+        self.loop_vars[name] = iv
+        body(iv)
+        del self.loop_vars[name]
+        nxt = b.add(iv, ir.Constant(I64, 1), name=f"{name}.next", flags=("nsw", "nuw"))
         iv.add_incoming(nxt, b.block)
         b.branch(header)
         b.position_at_end(exit_)
+
+    def parallel(self, s: Loop) -> None:
+        """Outline the flat loop over ``s`` and its collapsed inner loops into a function that
+        runs one static chunk, and call it on every thread through ``GOMP_parallel``."""
+        loops = [s]
+        for _ in range(dict(s.meta).get("collapse", 1) - 1):
+            loops.append(loops[-1].body.stmts[0])
+        total = 1
+        for lp in loops:
+            total *= lp.extent
+        bufs = list(self.args)
+        outer = [v for v in self.loop_vars if v != TID]
+        mb = self.mb
+        mb._kernels += 1
+        name = f"{self.fn.name}_par{mb._kernels}"
+        body_fn = mb.function(name, len(bufs), outer + ["lo", "hi", TID])
+        inner = _KernelEmitter(mb, body_fn, dict(zip(bufs, body_fn.args)), self.kernel)
+        ints = body_fn.args[len(bufs):]
+        inner.loop_vars = dict(zip(outer + [TID], list(ints[:len(outer)]) + [ints[-1]]))
+
+        def one(flat):
+            for lp in reversed(loops):
+                ext = ir.Constant(I64, lp.extent)
+                idx = inner.b.urem(flat, ext) if lp is not loops[0] else flat
+                inner.loop_vars[lp.var] = inner.b.add(idx, ir.Constant(I64, lp.start))
+                flat = inner.b.udiv(flat, ext)
+            inner.block(loops[-1].body)
+
+        inner.counted(f"{s.var}.flat", ints[-3], ints[-2], one)
+        inner.b.ret_void()
+        # the trampoline GOMP calls on each thread: unpack the context, run this thread's chunk
+        tramp = ir.Function(mb.module, ir.FunctionType(ir.VoidType(), [I8P]), name + "_omp")
+        tramp.linkage = "internal"
+        tb = ir.IRBuilder(tramp.append_basic_block("entry"))
+        ctx = tb.bitcast(tramp.args[0], I64.as_pointer())
+        vals = [tb.load(tb.gep(ctx, [ir.Constant(I64, i)])) for i in range(len(bufs) + len(outer))]
+        tid = tb.sext(tb.call(mb.declare("omp_get_thread_num", I32, []), []), I64)
+        nth = tb.sext(tb.call(mb.declare("omp_get_num_threads", I32, []), []), I64)
+        n = ir.Constant(I64, total)
+        lo = tb.udiv(tb.mul(n, tid), nth)
+        hi = tb.udiv(tb.mul(n, tb.add(tid, ir.Constant(I64, 1))), nth)
+        args = [tb.inttoptr(v, PTR) for v in vals[:len(bufs)]] + vals[len(bufs):]
+        tb.call(body_fn, args + [lo, hi, tid])
+        tb.ret_void()
+        # here: fill the context and fork
+        b = self.b
+        with b.goto_block(self.entry):
+            b.position_at_start(self.entry)
+            slots = b.alloca(ir.ArrayType(I64, max(1, len(bufs) + len(outer))))
+        for i, v in enumerate([b.ptrtoint(self.args[x], I64) for x in bufs]
+                              + [self.loop_vars[v] for v in outer]):
+            b.store(v, b.gep(slots, [ir.Constant(I32, 0), ir.Constant(I32, i)]))
+        gomp = mb.declare("GOMP_parallel", ir.VoidType(),
+                          [ir.FunctionType(ir.VoidType(), [I8P]).as_pointer(), I8P, I32, I32])
+        b.call(gomp, [tramp, b.bitcast(slots, I8P), ir.Constant(I32, mb.threads), ir.Constant(I32, 0)])
 
     def store(self, target, value):
         if isinstance(target, Var):

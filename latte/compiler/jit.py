@@ -26,6 +26,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get(_CACHE_ENV) or Path.home() / ".cache" / "latte")
 
 
+@functools.lru_cache(maxsize=None)
+def openmp() -> ctypes.CDLL | None:
+    """libgomp (shipped with gcc), whose thread pool runs parallel loops; None if absent."""
+    for name in (ctypes.util.find_library("gomp"), "libgomp.so.1"):
+        if name:
+            try:
+                return ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                continue
+    return None
+
+
 class Target:
     """Host target machine, optimization pipeline and symbol table (created once)."""
 
@@ -49,6 +61,9 @@ class Target:
         libm = ctypes.CDLL(ctypes.util.find_library("m"))
         for name in ("expf", "logf", "tanhf", "sqrtf", "floorf"):
             llvm.add_symbol(name, ctypes.cast(getattr(libm, name), ctypes.c_void_p).value)
+        gomp = openmp()
+        for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads") if gomp else ():
+            llvm.add_symbol(name, ctypes.cast(getattr(gomp, name), ctypes.c_void_p).value)
 
     def cache_key(self, ir_text: str) -> str:
         h = hashlib.sha256()

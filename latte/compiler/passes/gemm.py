@@ -22,10 +22,11 @@ def match_gemm(kernel: Kernel) -> Kernel:
 
 
 def _block(block: Block) -> Block:
-    return Block(tuple(_stmt(s) for s in block.stmts))
+    return Block(tuple(match_nest(s) for s in block.stmts))
 
 
-def _stmt(s):
+def match_nest(s):
+    """``s`` with its multiply-accumulate nests (at any depth) replaced by GEMMs."""
     if not isinstance(s, Loop):
         return s
     chain, inner = [s], s

@@ -1,0 +1,126 @@
+"""Data-copy: gather sliding windows into per-thread tile buffers (paper 5.3, figure 9).
+
+A multiply-accumulate that reads a source through a sliding window (``x[c, y+i, x+j]``) is
+no GEMM: its index mixes output and window loops. This pass copies the window into a tile
+buffer ``col[window vars..., output vars...]`` (im2col) and reads that instead; dimensions
+the window does not depend on (the output channel: *shared* dims) are not part of the
+buffer, so a tile is gathered once for all output channels. A windowed *write* (the input
+gradient) accumulates into such a buffer and is scatter-added afterwards.
+
+The copy is kept only when the GEMM matcher then turns the nest into a GEMM; otherwise the
+nest is left as it was. Tile buffers have a leading thread dimension indexed by ``_tid``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from latte.compiler.ir import (
+    Affine,
+    Assign,
+    AugAssign,
+    BinOp,
+    Block,
+    Const,
+    Gemm,
+    If,
+    Kernel,
+    Load,
+    Loop,
+    LoopKind,
+    Ref,
+    Select,
+    Var,
+    walk,
+)
+from latte.compiler.passes.gemm import match_nest
+from latte.compiler.passes.tiling import is_batch_loop
+
+TID = "_tid"
+
+
+def copy_windows(kernel: Kernel, bufs) -> Kernel:
+    """Gather/scatter every windowed multiply-accumulate nest of ``kernel`` through tiles."""
+    stmts = []
+    for k, s in enumerate(kernel.body.stmts):
+        out = _copy(s, bufs, (kernel.name, k)) if is_batch_loop(s) else None
+        stmts.append(s if out is None else out)
+    return replace(kernel, body=Block(tuple(stmts)))
+
+
+def nest(loops: list[Loop], *body) -> Loop | Block:
+    """``loops`` (outermost first) rebuilt around ``body``."""
+    block = Block(tuple(body))
+    for lp in reversed(loops):
+        block = Block((replace(lp, body=block),))
+    return block.stmts[0] if len(block.stmts) == 1 else block
+
+
+def _copy(s: Loop, bufs, key: tuple):
+    loops, leaf = [], s
+    while isinstance(leaf, Loop):
+        if len(leaf.body.stmts) != 1:
+            return None
+        loops.append(leaf)
+        leaf = leaf.body.stmts[0]
+    n_outer = 2 if len(loops) > 1 and loops[1].kind is LoopKind.TILE_OUTER else 1
+    outer, inner = loops[:n_outer], loops[n_outer:]
+    window = {lp.var for lp in inner if lp.axis is None}
+    sink = {lp.var for lp in inner if lp.axis is not None}
+
+    def windowed(ref: Ref) -> bool:
+        return any(isinstance(c, Affine) and c.vars & window and c.vars & sink for c in ref.index)
+
+    def tile_buffer(expr, tag: str):
+        used = {n.name for n in walk(expr) if isinstance(n, Var)} | {
+            v for n in walk(expr) if isinstance(n, Affine) for v in n.vars}
+        order = ([lp for lp in inner if lp.var in used and lp.var in window]
+                 + [lp for lp in inner if lp.var in used and lp.var not in window])
+        shape = tuple(lp.extent for lp in order)
+        buf = bufs.scratch((*key, tag), f"{key[0]}.{tag}{key[1]}", shape)
+        ref = Ref(buf, (Affine.of(TID), *(Affine.of(lp.var) for lp in order)), buf.shape)
+        return order, buf, ref
+
+    guard, aug = None, leaf
+    if isinstance(leaf, If) and not leaf.orelse.stmts and len(leaf.then.stmts) == 1:
+        guard, aug = leaf.cond, leaf.then.stmts[0]
+    if not (isinstance(aug, AugAssign) and aug.op == "+" and isinstance(aug.target, Ref)):
+        return None
+    if windowed(aug.target):   # scatter: accumulate into a tile, then add it to the window
+        order, buf, ref = tile_buffer(Block((aug.target, *((guard,) if guard else ()))), "scatter")
+        compute = match_nest(nest(inner, AugAssign(ref, "+", aug.value)))
+        if not _is_gemm(compute):
+            return None
+        if isinstance(compute, Gemm) and compute.m * compute.n * bufs.threads == buf.size:
+            compute = replace(compute, beta=0.0)
+        else:
+            compute = Block((nest(order, Assign(ref, Const(0.0))), compute))
+        scatter = AugAssign(aug.target, "+", Load(ref))
+        return nest(outer, compute, nest(order, If(guard, Block((scatter,))) if guard else scatter))
+    if guard is not None or not isinstance(aug.value, BinOp) or aug.value.op != "*":
+        return None
+    operands = [aug.value.lhs, aug.value.rhs]
+    hits = [i for i, e in enumerate(operands) if _window_load(e, windowed)]
+    if len(hits) != 1:
+        return None
+    (i,) = hits
+    order, buf, ref = tile_buffer(operands[i], "gather")
+    operands[i] = Load(ref)
+    compute = match_nest(nest(inner, replace(aug, value=BinOp("*", *operands))))
+    if not _is_gemm(compute):
+        return None
+    gather = nest(order, Assign(ref, aug.value.lhs if i == 0 else aug.value.rhs))
+    return nest(outer, gather, compute)
+
+
+def _window_load(e, windowed) -> bool:
+    """``e`` loads through a window, possibly behind a padding guard."""
+    if isinstance(e, Select) and isinstance(e.if_true, Load):
+        e = e.if_true
+    return isinstance(e, Load) and isinstance(e.ref, Ref) and windowed(e.ref)
+
+
+def _is_gemm(s) -> bool:
+    found = [n for n in walk(s) if isinstance(n, Gemm)]
+    return bool(found) and not any(isinstance(n, (Assign, AugAssign)) for n in walk(s))
+

@@ -1,0 +1,188 @@
+"""Parallelization (paper 5.4.3; coarse-grain Caffe): mark loops that threads share.
+
+- A neuron nest runs as one flat parallel loop over ``batch x tiles`` (static schedule).
+  The tile loop joins the batch loop only when tiles write disjoint regions; where a
+  scatter's windows overlap between neighbouring tiles (a convolution's input gradient),
+  tiles of one item stay on one thread.
+- Buffers the nest accumulates into without the batch index (weight and bias gradients)
+  become thread-private copies, zeroed before the loop and reduced after it in thread
+  order, so results do not depend on timing.
+- A GEMM outside any loop (a fully connected layer over the whole batch) is split into
+  one slice of its larger dimension per thread; every sgemm call runs on one BLAS thread.
+- Flat loops over large buffers (zeroing, the SGD update) are split into chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from latte.compiler.ir import (
+    Affine,
+    Assign,
+    AugAssign,
+    Block,
+    Compare,
+    Const,
+    Gemm,
+    If,
+    Kernel,
+    Load,
+    Loop,
+    LoopKind,
+    Ref,
+    Var,
+    rewrite,
+    walk,
+    written_refs,
+)
+from latte.compiler.passes.data_copy import TID
+from latte.compiler.passes.tiling import is_batch_loop
+
+MIN_GEMM_FLOPS = 1 << 21     # smaller GEMMs are not worth a fork-join
+MIN_FLAT = 1 << 15           # elements of a flat loop worth splitting
+
+
+def parallelize(kernel: Kernel, bufs) -> Kernel:
+    """Mark the parallel loops of ``kernel`` (no-op for one thread)."""
+    if bufs.threads <= 1:
+        return kernel
+    out = []
+    for s in kernel.body.stmts:
+        if is_batch_loop(s):
+            out.extend(_batch_nest(s, bufs))
+        elif isinstance(s, Gemm):
+            out.append(split_gemm(s, bufs.threads))
+        elif isinstance(s, Loop) and _flat_disjoint(s) and s.extent >= MIN_FLAT:
+            out.append(parallel(s, 1))
+        else:
+            out.append(s)
+    return replace(kernel, body=Block(tuple(out)))
+
+
+def parallel(loop: Loop, collapse: int) -> Loop:
+    """``loop`` and the ``collapse - 1`` loops nested in it, as one flat parallel loop."""
+    return replace(loop, kind=LoopKind.PARALLEL, meta=loop.meta + (("collapse", collapse),))
+
+
+def _writes(s) -> list[tuple[object, tuple, Affine | None, int]]:
+    """(buffer, index, offset, extra span) of every store in ``s``; a GEMM writes a C block."""
+    out = [(r.buffer, r.index, r.offset(), 0) for r in written_refs(s)]
+    out += [(g.c_buf, None, g.c_off, (g.m - 1) * g.ldc + g.n - 1)
+            for g in walk(s) if isinstance(g, Gemm)]
+    return out
+
+
+def _per_item(buf, index, off, batch: str) -> bool:
+    """The store lands in the batch item ``batch`` of a batched buffer."""
+    if not buf.batched:
+        return False
+    if index is not None:
+        return index[0] == Affine.of(batch)
+    return off is not None and off.coef(batch) == buf.size // buf.shape[0]
+
+
+def _is_scratch(buf) -> bool:
+    return buf.key[0] == "scratch"
+
+
+def _batch_nest(nest: Loop, bufs) -> list:
+    extents = {n.var: n.extent for n in walk(nest) if isinstance(n, Loop)}
+    private = {buf for buf, index, off, _ in _writes(nest)
+               if not _is_scratch(buf) and not _per_item(buf, index, off, nest.var)}
+    if not all(_only_accumulated(nest, b) for b in private):
+        return [nest]
+    collapse = 1
+    inner = nest.body.stmts[0] if len(nest.body.stmts) == 1 else None
+    if isinstance(inner, Loop) and inner.kind is LoopKind.TILE_OUTER and all(
+            _disjoint_tiles(off, span, inner.var, extents)
+            for buf, _, off, span in _writes(inner) if buf not in private and not _is_scratch(buf)):
+        collapse = 2
+    copies = {b: bufs.private(b) for b in private}
+    body = rewrite(nest.body, lambda n: _privatize(n, copies))
+    out = [_flat(p, f"_pz{i}", Const(0.0)) for i, p in enumerate(copies.values())]
+    out.append(parallel(replace(nest, body=body), collapse))
+    out += [_reduce(b, p, bufs.threads, f"_pr{i}") for i, (b, p) in enumerate(copies.items())]
+    return out
+
+
+def _only_accumulated(nest, buf) -> bool:
+    """``buf`` is only ever ``+=``-ed in ``nest`` (so per-thread partial sums add up)."""
+    for n in walk(nest):
+        if isinstance(n, Gemm):
+            if buf in (n.a_buf, n.b_buf) or (n.c_buf is buf and n.beta != 1.0):
+                return False
+        elif isinstance(n, Load) and isinstance(n.ref, Ref) and n.ref.buffer is buf:
+            return False
+        elif isinstance(n, AugAssign) and isinstance(n.target, Ref) and n.target.buffer is buf \
+                and n.op != "+":
+            return False
+        elif isinstance(n, Assign) and isinstance(n.target, Ref) and n.target.buffer is buf:
+            return False
+    return True
+
+
+def _disjoint_tiles(off: Affine | None, span: int, tile: str, extents) -> bool:
+    """Consecutive tiles write disjoint ranges of ``buf``."""
+    if off is None:
+        return False
+    reach = span + sum(abs(c) * (extents[v] - 1) for v, c in off.terms
+                       if v != tile and v in extents and v != TID)
+    return reach < abs(off.coef(tile))
+
+
+def _privatize(node, copies):
+    if isinstance(node, Ref) and node.buffer in copies:
+        p = copies[node.buffer]
+        return Ref(p, (Affine.of(TID), *node.index), (p.shape[0], *node.view))
+    if isinstance(node, Gemm) and node.c_buf in copies:
+        p = copies[node.c_buf]
+        return replace(node, c_buf=p, c_off=node.c_off + Affine.of(TID, node.c_buf.size))
+    return None
+
+
+def _flat(buf, var: str, value) -> Loop:
+    loop = Loop(var, 0, buf.size, Block((Assign(Ref(buf, (Affine.of(var),), (buf.size,)), value),)))
+    return parallel(loop, 1) if buf.size >= MIN_FLAT else loop
+
+
+def _reduce(buf, private, threads: int, var: str) -> Loop:
+    """``buf += private[0] + private[1] + ...``, always in thread order."""
+    e = Affine.of(var)
+    body = Block(tuple(AugAssign(Ref(buf, (e,), (buf.size,)), "+",
+                                 Load(Ref(private, (Affine((), t), e), (threads, buf.size))))
+                       for t in range(threads)))
+    loop = Loop(var, 0, buf.size, body)
+    return parallel(loop, 1) if buf.size >= MIN_FLAT else loop
+
+
+def _flat_disjoint(loop: Loop) -> bool:
+    """Every store of ``loop`` lands on an element of its own iteration."""
+    if any(isinstance(n, (Loop, Gemm)) for n in walk(loop.body)):
+        return False
+    writes = list(written_refs(loop))
+    return bool(writes) and all(
+        (off := r.offset()) is not None and off.terms == ((loop.var, 1),) for r in writes)
+
+
+def split_gemm(g: Gemm, threads: int):
+    """One slice of the larger of M and N per thread."""
+    if 2 * g.m * g.n * g.k < MIN_GEMM_FLOPS:
+        return g
+    along_n = g.n >= g.m
+    size = g.n if along_n else g.m
+    chunk = -(-size // threads)
+    if chunk > 16:
+        chunk = -(-chunk // 16) * 16
+    pieces = -(-size // chunk)
+    c = Affine.of("_c")
+    if along_n:
+        sliced = replace(g, b_off=g.b_off + c * (chunk * g.ldb if g.trans_b else chunk),
+                         c_off=g.c_off + c * chunk)
+    else:
+        sliced = replace(g, a_off=g.a_off + c * (chunk if g.trans_a else chunk * g.lda),
+                         c_off=g.c_off + c * (chunk * g.ldc))
+    last = size - chunk * (pieces - 1)
+    full = replace(sliced, **{"n" if along_n else "m": chunk})
+    body = full if last == chunk else If(Compare("<", Var("_c"), Const(pieces - 1)), Block((full,)),
+                                         Block((replace(full, **{"n" if along_n else "m": last}),)))
+    return parallel(Loop("_c", 0, pieces, Block((body,))), 1)

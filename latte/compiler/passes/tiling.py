@@ -1,0 +1,111 @@
+"""Tiling: split one spatial dimension of a neuron nest into row-plane tiles (paper 5.4.1).
+
+The tiled dimension is the outermost ensemble dimension along which a connection reads a
+sliding window (a sink loop variable and an input loop variable meet in one index: ``y`` of
+a convolution or a pooling). The tile loop moves right under the batch loop, so that
+``(batch, tile)`` is the unit of work that data-copy and parallelization see. The tile height
+is the largest divisor of the extent whose working set (every buffer region one tile
+touches, gathered windows included) fits the cache budget.
+
+The tile loop records the dependence along the tiled dimension in ``meta``: ``tile_size``,
+``scale`` (source rows advanced per output row: the stride) and ``halo`` (source rows a tile
+shares with the next one); fusion scales tile sizes by these (paper figure 11).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from latte.compiler.ir import Affine, Block, Kernel, Loop, LoopKind, Ref, Var, rewrite, walk
+
+FLOAT_BYTES = 4
+
+
+def tile_loops(kernel: Kernel, budget: int) -> Kernel:
+    """Tile every neuron nest that reads a sliding window; ``budget`` is in bytes."""
+    stmts = tuple(_tile(s, budget) if is_batch_loop(s) else s for s in kernel.body.stmts)
+    return replace(kernel, body=Block(stmts))
+
+
+def is_batch_loop(s) -> bool:
+    return isinstance(s, Loop) and s.axis is not None and s.axis.dim < 0
+
+
+def ensemble_chain(nest: Loop) -> list[Loop]:
+    """The batch loop and the ensemble-dimension loops nested in it (a perfect chain)."""
+    chain = [nest]
+    while (len(chain[-1].body.stmts) == 1 and isinstance(chain[-1].body.stmts[0], Loop)
+           and chain[-1].body.stmts[0].axis is not None):
+        chain.append(chain[-1].body.stmts[0])
+    return chain
+
+
+def window_vars(nest) -> set[str]:
+    """Loop variables of the neuron body (they walk an input window), not of the ensemble."""
+    return {n.var for n in walk(nest) if isinstance(n, Loop) and n.axis is None}
+
+
+def windowed_components(nest, sink: str) -> list[Affine]:
+    """Index components in which ``sink`` meets a window variable."""
+    window = window_vars(nest)
+    return [c for r in walk(nest) if isinstance(r, Ref) for c in r.index
+            if isinstance(c, Affine) and c.coef(sink) and c.vars & window]
+
+
+def _tile(nest: Loop, budget: int) -> Loop:
+    chain = ensemble_chain(nest)
+    for lp in chain[1:]:
+        comps = windowed_components(nest, lp.var)
+        if comps and lp.extent > 1 and lp.start == 0:
+            break
+    else:
+        return nest
+    extents = {n.var: n.extent for n in walk(nest) if isinstance(n, Loop)}
+    sizes = [t for t in range(lp.extent, 0, -1) if lp.extent % t == 0]
+    size = next((t for t in sizes if footprint(nest, extents, nest.var, lp.var, t) <= budget), 1)
+    tvar = f"{lp.var}_t"
+    full = Affine.build({tvar: size, lp.var: 1})
+
+    def subst(node):
+        if isinstance(node, Affine) and node.coef(lp.var):
+            return node.substitute(lp.var, full)
+        if node == Var(lp.var):
+            return full
+        return None
+
+    scale = abs(comps[0].coef(lp.var))
+    reach = sum(abs(c) * (extents[v] - 1) for v, c in comps[0].terms if v != lp.var)
+    meta = (("tile_size", size), ("scale", scale), ("halo", reach + 1 - scale))
+    inner = replace(lp, stop=size, kind=LoopKind.TILE_INNER)
+    # rebuild: batch, tile, then the ensemble loops with ``lp`` shrunk to one tile
+    body = rewrite(chain[-1].body, subst)
+    for c in reversed(chain[1:]):
+        body = Block((replace(inner if c is lp else c, body=body),))
+    tile = Loop(tvar, 0, lp.extent // size, body, LoopKind.TILE_OUTER, lp.axis, meta)
+    return replace(nest, body=Block((tile,)))
+
+
+def footprint(nest: Loop, extents: dict[str, int], batch: str, tiled: str, size: int) -> int:
+    """Bytes one ``(batch item, tile of `size` rows)`` touches, gathered windows included."""
+    ext = dict(extents, **{batch: 1, tiled: size})
+    window = window_vars(nest)
+    seen, total = set(), 0
+    for r in walk(nest):
+        if not isinstance(r, Ref) or (r.buffer, r.index) in seen:
+            continue
+        seen.add((r.buffer, r.index))
+        vol = 1
+        for c, extent in zip(r.index, r.view):
+            if isinstance(c, Affine):
+                vol *= min(extent, 1 + sum(abs(k) * (ext[v] - 1) for v, k in c.terms if v in ext))
+            else:
+                vol *= extent
+        total += vol
+        mixed = [c for c in r.index if isinstance(c, Affine) and c.vars & window
+                 and c.vars - window - {batch}]
+        if mixed:  # a sliding window is gathered into a tile buffer
+            gathered = 1
+            for v in {v for c in r.index if isinstance(c, Affine) for v in c.vars} - {batch}:
+                gathered *= ext.get(v, 1)
+            total += gathered
+    return total * FLOAT_BYTES
