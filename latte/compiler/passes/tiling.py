@@ -22,9 +22,25 @@ FLOAT_BYTES = 4
 
 
 def tile_loops(kernel: Kernel, budget: int) -> Kernel:
-    """Tile every neuron nest that reads a sliding window; ``budget`` is in bytes."""
-    stmts = tuple(_tile(s, budget) if is_batch_loop(s) else s for s in kernel.body.stmts)
-    return replace(kernel, body=Block(stmts))
+    """Tile every neuron nest that reads a sliding window; ``budget`` is in bytes. The other
+    nests of the kernel (a bias, an element-wise step) get the same tiles, so that
+    :func:`~latte.compiler.passes.fuse.fuse_nests` can run them tile by tile together."""
+    stmts = [_tile(s, budget) if is_batch_loop(s) else s for s in kernel.body.stmts]
+    tiles = [s.body.stmts[0] for s in stmts if is_batch_loop(s) and _tile_loop(s) is not None]
+    if tiles:
+        first = tiles[0]
+        dim, size = first.axis.dim, dict(first.meta)["tile_size"]
+        for i, s in enumerate(stmts):
+            if is_batch_loop(s) and _tile_loop(s) is None:
+                lp = next((c for c in ensemble_chain(s)[1:] if c.axis.dim == dim), None)
+                if lp is not None and lp.start == 0 and lp.extent == first.stop * size:
+                    stmts[i] = _split(s, lp, size, (("tile_size", size), ("scale", 1), ("halo", 0)))
+    return replace(kernel, body=Block(tuple(stmts)))
+
+
+def _tile_loop(nest: Loop) -> Loop | None:
+    inner = nest.body.stmts[0] if len(nest.body.stmts) == 1 else None
+    return inner if isinstance(inner, Loop) and inner.kind is LoopKind.TILE_OUTER else None
 
 
 def is_batch_loop(s) -> bool:
@@ -63,6 +79,15 @@ def _tile(nest: Loop, budget: int) -> Loop:
     extents = {n.var: n.extent for n in walk(nest) if isinstance(n, Loop)}
     sizes = [t for t in range(lp.extent, 0, -1) if lp.extent % t == 0]
     size = next((t for t in sizes if footprint(nest, extents, nest.var, lp.var, t) <= budget), 1)
+    scale = abs(comps[0].coef(lp.var))
+    reach = sum(abs(c) * (extents[v] - 1) for v, c in comps[0].terms if v != lp.var)
+    return _split(nest, lp, size, (("tile_size", size), ("scale", scale), ("halo", reach + 1 - scale)))
+
+
+def _split(nest: Loop, lp: Loop, size: int, meta: tuple) -> Loop:
+    """``lp`` (an ensemble loop of ``nest``) split into tiles of ``size``; the tile loop goes
+    right under the batch loop."""
+    chain = ensemble_chain(nest)
     tvar = f"{lp.var}_t"
     full = Affine.build({tvar: size, lp.var: 1})
 
@@ -73,9 +98,6 @@ def _tile(nest: Loop, budget: int) -> Loop:
             return full
         return None
 
-    scale = abs(comps[0].coef(lp.var))
-    reach = sum(abs(c) * (extents[v] - 1) for v, c in comps[0].terms if v != lp.var)
-    meta = (("tile_size", size), ("scale", scale), ("halo", reach + 1 - scale))
     inner = replace(lp, stop=size, kind=LoopKind.TILE_INNER)
     # rebuild: batch, tile, then the ensemble loops with ``lp`` shrunk to one tile
     body = rewrite(chain[-1].body, subst)

@@ -1,16 +1,17 @@
-"""Zero-init folding: a GEMM that is the first writer of a zeroed buffer overwrites it.
+"""Zero-init folding: the first writer of a zeroed buffer overwrites it instead.
 
-``value`` is zero when forward starts and gradients are zeroed when backward starts; when
-the first statement touching such a buffer is a top-level GEMM covering all of it, the
-zeroing is dropped and the GEMM runs with ``beta = 0`` (one pass over C saved, and the
-write-allocate traffic of the memset).
+``value`` is zero when forward starts and gradients are zeroed when backward starts. When
+the first statement touching such a buffer is a GEMM or an assignment whose writes, over
+their enclosing loops, cover every element exactly once (a mixed-radix check on the affine
+offsets), the zeroing is dropped and a GEMM runs with ``beta = 0``: one pass over the buffer
+saved, and the write-allocate traffic of the memset.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from latte.compiler.ir import Assign, Block, Buffer, Const, Gemm, Kernel, Loop, Ref, walk
+from latte.compiler.ir import Assign, Block, Buffer, Const, Gemm, If, Kernel, Loop, Ref, rewrite, walk
 
 
 def _zeroed_buffer(s) -> Buffer | None:
@@ -24,9 +25,53 @@ def _zeroed_buffer(s) -> Buffer | None:
     return None
 
 
-def _covers(g: Gemm) -> bool:
-    return (not g.c_off.terms and g.c_off.const == 0 and g.ldc == g.n
-            and g.m * g.n == g.c_buf.size)
+def _exact_cover(terms: list[tuple[int, int]], size: int) -> bool:
+    """``sum(stride * i)`` over ``0 <= i < extent`` hits each of ``0..size-1`` exactly once."""
+    expected = 1
+    for stride, extent in sorted(t for t in terms if t[1] > 1):   # a stride of 0 repeats
+        if stride != expected:
+            return False
+        expected *= extent
+    return expected == size
+
+
+def _in_order(s, loops=()):
+    """Statements and GEMMs below ``s`` in execution order, with their enclosing loops;
+    a conditional region comes whole, with ``None`` for loops (its writes may not happen)."""
+    if isinstance(s, Loop):
+        for c in s.body.stmts:
+            yield from _in_order(c, (*loops, s))
+    elif isinstance(s, Block):
+        for c in s.stmts:
+            yield from _in_order(c, loops)
+    elif isinstance(s, If):
+        yield s, None
+    else:
+        yield s, loops
+
+
+def _first_write(s, buf: Buffer):
+    """The statement of ``s`` that first touches ``buf``, if it overwrites all of it."""
+    for node, loops in _in_order(s):
+        if buf not in _touched(node):
+            continue
+        if loops is None or any(lp.start != 0 for lp in loops):
+            return None
+        if isinstance(node, Gemm):
+            off, extra = node.c_off, [(1, node.n), (node.ldc, node.m)]
+            ok = node.c_buf is buf and node.beta == 1.0 and buf not in (node.a_buf, node.b_buf)
+        elif isinstance(node, Assign) and isinstance(node.target, Ref):
+            off, extra = node.target.offset(), []
+            ok = node.target.buffer is buf and not any(
+                isinstance(x, Ref) and x.buffer is buf for x in walk(node.value))
+        else:
+            return None
+        loop_vars = {lp.var for lp in loops}
+        if not ok or off is None or off.const or any(v not in loop_vars or c <= 0 for v, c in off.terms):
+            return None
+        terms = [(off.coef(lp.var), lp.extent) for lp in loops] + extra
+        return node if _exact_cover(terms, buf.size) else None
+    return None
 
 
 def _touched(s) -> set[Buffer]:
@@ -50,10 +95,13 @@ def fold_zero_init(kernel: Kernel, zeroed: frozenset[Buffer] = frozenset()
         if buf is not None:
             pending[buf] = i
             continue
-        if isinstance(s, Gemm) and s.c_buf in pending and s.beta == 1.0 and _covers(s) \
-                and s.c_buf not in (s.a_buf, s.b_buf):
-            folded[s.c_buf] = pending.pop(s.c_buf)
-            stmts[i] = replace(s, beta=0.0)
+        for b in [b for b in pending if b in _touched(s)]:
+            first = _first_write(s, b)
+            if first is not None:
+                folded[b] = pending[b]
+                if isinstance(first, Gemm):
+                    stmts[i] = rewrite(stmts[i], lambda n, g=first: replace(n, beta=0.0)
+                                       if n is g else None)
         for b in _touched(stmts[i]):
             pending.pop(b, None)
     drop = {i for i in folded.values() if i is not None}

@@ -1,0 +1,103 @@
+"""Nest fusion within one kernel: consecutive nests over the same ``(batch, tile)`` space run
+as one, tile by tile, so a tile one nest produces is still in cache when the next consumes
+it (a convolution's bias add right after the GEMM that wrote the tile).
+
+Legal when every buffer the nests share, and one of them writes, is accessed only inside
+the current batch item and tile: each access is per item (the batch index leads) and its
+range along the tiled dimension stays within the tile's own rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from latte.compiler.ir import Affine, Block, Gemm, Kernel, Loop, LoopKind, Ref, walk, written_refs
+from latte.compiler.passes.tiling import is_batch_loop
+
+
+def fuse_nests(kernel: Kernel) -> Kernel:
+    """Merge consecutive tiled nests with the same batch and tile loops."""
+    out: list = []
+    for s in kernel.body.stmts:
+        prev = out[-1] if out else None
+        if prev is not None and _same_space(prev, s) and _legal(prev, s):
+            tile = prev.body.stmts[0]
+            merged = replace(tile, body=Block(tile.body.stmts + s.body.stmts[0].body.stmts))
+            out[-1] = replace(prev, body=Block((merged,)))
+        else:
+            out.append(s)
+    return replace(kernel, body=Block(tuple(out)))
+
+
+def _tile(s):
+    if is_batch_loop(s) and len(s.body.stmts) == 1 and isinstance(s.body.stmts[0], Loop) \
+            and s.body.stmts[0].kind is LoopKind.TILE_OUTER:
+        return s.body.stmts[0]
+    return None
+
+
+def _same_space(a, b) -> bool:
+    ta, tb = _tile(a), _tile(b)
+    return (ta is not None and tb is not None and (a.var, a.extent) == (b.var, b.extent)
+            and (ta.var, ta.extent, ta.meta[0]) == (tb.var, tb.extent, tb.meta[0]))
+
+
+def _accesses(s) -> list[tuple[object, Affine | None, list[tuple[int, int]]]]:
+    """(buffer, offset, extra (stride, extent) terms of a GEMM block) of every access."""
+    out = [(r.buffer, r.offset(), []) for r in walk(s) if isinstance(r, Ref)]
+    for g in walk(s):
+        if isinstance(g, Gemm):
+            a_rows, a_cols = (g.k, g.m) if g.trans_a else (g.m, g.k)
+            b_rows, b_cols = (g.n, g.k) if g.trans_b else (g.k, g.n)
+            out += [(g.a_buf, g.a_off, [(g.lda, a_rows), (1, a_cols)]),
+                    (g.b_buf, g.b_off, [(g.ldb, b_rows), (1, b_cols)]),
+                    (g.c_buf, g.c_off, [(g.ldc, g.m), (1, g.n)])]
+    return out
+
+
+def _written(s) -> set:
+    return {r.buffer for r in written_refs(s)} | {g.c_buf for g in walk(s) if isinstance(g, Gemm)}
+
+
+def _legal(a: Loop, b: Loop) -> bool:
+    tile = _tile(a)
+    extents = {n.var: n.extent for n in walk(a) if isinstance(n, Loop)}
+    extents.update({n.var: n.extent for n in walk(b) if isinstance(n, Loop)})
+    shared = (_written(a) & {x[0] for x in _accesses(b)}) | (_written(b) & {x[0] for x in _accesses(a)})
+    rows = set()
+    for buf, off, extra in _accesses(a) + _accesses(b):
+        if buf in shared:
+            r = _tile_rows(buf, off, extra, a.var, tile.var, extents)
+            if r is None:
+                return False
+            rows.add(r)
+    return len(rows) <= 1
+
+
+def _tile_rows(buf, off, extra, batch: str, tile: str, extents) -> tuple[int, int] | None:
+    """``(dim, rows per tile)`` if the access touches, in tile ``t`` of a batch item, only rows
+    ``[t * rows, (t + 1) * rows)`` of one dimension of ``buf`` (and nothing of other items)."""
+    if off is None or not buf.batched or off.coef(batch) != buf.size // buf.shape[0]:
+        return None
+    terms = [(c, extents[v]) for v, c in off.terms if v not in (batch, tile)] + extra
+    if any(v not in extents for v, _ in off.terms) or np.prod([e for _, e in terms]) > 1 << 22:
+        return None
+    if extents[tile] == 1:
+        return 0, 0   # one tile: the batch item is the unit
+    addr = np.array([off.const])
+    for c, e in terms:
+        addr = (addr[:, None] + c * np.arange(e)).ravel()
+    if addr.min() < 0 or addr.max() + off.coef(tile) >= buf.size:
+        return None
+    here = np.unravel_index(addr, buf.shape)
+    there = np.unravel_index(addr + off.coef(tile), buf.shape)
+    moved = [d for d in range(1, len(buf.shape)) if not np.array_equal(here[d], there[d])]
+    if len(moved) != 1:
+        return None
+    (d,) = moved
+    step = np.unique(there[d] - here[d])
+    if len(step) != 1 or here[d].min() != 0 or here[d].max() >= step[0]:
+        return None
+    return d, int(step[0])
