@@ -26,8 +26,18 @@ from latte.compiler.ir import (
     walk,
 )
 from latte.compiler.jit import CodeLibrary, target
+from latte.compiler.machine import cache_sizes
 from latte.compiler.mapping import ConnAccess, analyze_connection, fit_index_map
-from latte.compiler.passes import distribute_loops, fold_zero_init, match_gemm, prune_dead_gradients
+from latte.compiler.passes import (
+    copy_windows,
+    distribute_loops,
+    fold_zero_init,
+    fuse_nests,
+    match_gemm,
+    parallelize,
+    prune_dead_gradients,
+    tile_loops,
+)
 from latte.compiler.printer import format_ir
 from latte.compiler.synthesis import synthesize, zero_loop
 from latte.compiler.verify import verify_bounds
@@ -88,13 +98,14 @@ def _dump(kind: str, title: str, text: str) -> None:
         print(f"==== {title}\n{text}", file=sys.stderr)
 
 
-def compile_net(net, opt_level: int = 3, split_segments: bool = False) -> Program:
-    """Analyse, synthesize, optimize and JIT-compile ``net``.
+def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: int = 1) -> Program:
+    """Analyse, synthesize, optimize and JIT-compile ``net`` for ``threads`` threads.
 
-    ``split_segments`` gives each ensemble's backward its own native segment, so the runtime
-    can act (start gradient reductions over MPI) between ensembles.
+    ``split_segments`` gives each ensemble's forward and backward its own native segment
+    (and zeroing the gradients one of its own), so the runtime can act between ensembles:
+    start gradient reductions over MPI, time each ensemble when profiling.
     """
-    bufs = BufferPlan(net.batch_size)
+    bufs = BufferPlan(net.batch_size, threads if opt_level >= 2 else 1)
     _check_activations(net)
     for ens in net.ensembles:  # every ensemble has values and gradients, used or not
         bufs.value(ens), bufs.grad(ens)
@@ -117,29 +128,40 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False) -> Progra
             if opt_level >= 1:
                 # split neuron bodies into perfect nests, then match multiply-accumulates
                 kernel = distribute_loops(kernel)
+                if opt_level >= 2:
+                    # row-plane tiles sized to half of L2
+                    kernel = tile_loops(kernel, cache_sizes()[2] // 2)
+                # sliding windows gathered into tile buffers, then GEMMs over them
+                kernel = copy_windows(kernel, bufs)
                 kernel = match_gemm(kernel)
                 # a GEMM that first writes a zeroed buffer overwrites it (beta = 0)
                 param_grads = frozenset(bufs.field_grad(ens, f.name) for f in ens.params)
                 kernel, folded = fold_zero_init(kernel, param_grads if phase == "backward"
                                                 else frozenset())
                 pre_zeroed |= folded
-                _dump("ir", f"{kernel.name} after gemm matching", format_ir(kernel))
+                if opt_level >= 2:
+                    # nests over the same tiles run tile by tile; batch x tiles across threads,
+                    # private gradients reduced in thread order
+                    kernel = fuse_nests(kernel)
+                    kernel = parallelize(kernel, bufs)
+                _dump("ir", f"{kernel.name} optimized", format_ir(kernel))
             plan.kernels[phase] = kernel
         plans.append(plan)
     params = [(e, f.name) for e in net.ensembles if isinstance(e, Ensemble) for f in e.params]
     by_ens = {p.ensemble: p for p in plans}
-    forward = _steps(net.ensembles, by_ens, "forward", "fwd")
+    forward = _steps(net.ensembles, by_ens, "forward", "fwd", split_segments)
     backward = _steps(reversed(net.ensembles), by_ens, "backward", "bwd", split_segments)
-    zero = Kernel("zero_grads", _zero_grads(net, bufs, dead | pre_zeroed), None, "backward")
-    if backward and isinstance(backward[0], Segment):
+    zero = parallelize(Kernel("zero_grads", _zero_grads(net, bufs, dead | pre_zeroed), None,
+                              "backward"), bufs)
+    if backward and isinstance(backward[0], Segment) and not split_segments:
         backward[0] = Segment(backward[0].name, (zero, *backward[0].kernels))
     else:
         backward.insert(0, Segment("bwd_zero", (zero,)))
-    update = Segment("update", (_update_kernel(params, bufs),))
+    update = Segment("update", (parallelize(_update_kernel(params, bufs), bufs),))
     program = Program(bufs, forward, backward, update, params, plans, opt_level)
     # codegen: every segment into one LLVM module, then O3 + JIT (or the disk cache)
     index = {b: i for i, b in enumerate(bufs.buffers.values())}
-    mb = ModuleBuilder(index)
+    mb = ModuleBuilder(index, bufs.threads)
     for seg in _segments(program):
         mb.add_segment(seg.name, list(seg.kernels))
     ir_text = str(mb.module)

@@ -288,24 +288,26 @@ def walk(node: Node) -> Iterator[Node]:
         yield from walk(c)
 
 
-def rewrite(node: Node, fn: Callable[[Node], Node | None]) -> Node:
-    """Bottom-up rewrite: children first, then ``fn(node)`` (``None`` keeps the node)."""
-    if not isinstance(node, Node) or isinstance(node, (Affine, Buffer)):
-        out = fn(node) if isinstance(node, Node) else None
-        return node if out is None else out
+def map_children(node: Node, fn: Callable[[Node], Node]) -> Node:
+    """``node`` with ``fn`` applied to each direct child (the same object if none changed)."""
     changes = {}
     for f in dataclasses.fields(node):
         val = getattr(node, f.name)
         if isinstance(val, Node):
-            new = rewrite(val, fn)
+            new = fn(val)
         elif isinstance(val, tuple) and any(isinstance(v, Node) for v in val):
-            new = tuple(rewrite(v, fn) if isinstance(v, Node) else v for v in val)
+            new = tuple(fn(v) if isinstance(v, Node) else v for v in val)
         else:
             continue
         if new is not val:
             changes[f.name] = new
-    if changes:
-        node = dataclasses.replace(node, **changes)
+    return dataclasses.replace(node, **changes) if changes else node
+
+
+def rewrite(node: Node, fn: Callable[[Node], Node | None]) -> Node:
+    """Bottom-up rewrite: children first, then ``fn(node)`` (``None`` keeps the node)."""
+    if not isinstance(node, (Affine, Buffer)):
+        node = map_children(node, lambda c: rewrite(c, fn))
     out = fn(node)
     return node if out is None else out
 

@@ -64,8 +64,11 @@ def fmt_stmt(s, indent: int = 0) -> list[str]:
         lines = [line for st in s.stmts for line in fmt_stmt(st, indent)]
         return lines or [pad + "pass"]
     if isinstance(s, Loop):
-        kind = "" if s.kind is LoopKind.SERIAL else f"  # {s.kind.value}"
-        axis = f"  # {s.axis}" if s.axis is not None and not kind else kind
+        notes = [] if s.kind is LoopKind.SERIAL else [s.kind.value]
+        notes += [f"{k}={v}" for k, v in s.meta if k != "conn"]
+        if s.axis is not None:
+            notes.insert(0, str(s.axis))
+        axis = f"  # {', '.join(notes)}" if notes else ""
         rng = f"{s.stop}" if s.start == 0 else f"{s.start}, {s.stop}"
         return [f"{pad}for {s.var} in range({rng}):{axis}"] + fmt_stmt(s.body, indent + 1)
     if isinstance(s, If):

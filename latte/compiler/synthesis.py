@@ -21,6 +21,7 @@ from latte.compiler.ir import (
     BinOp,
     Block,
     BoolOp,
+    Buffer,
     Compare,
     Const,
     Expr,
@@ -29,11 +30,10 @@ from latte.compiler.ir import (
     Load,
     Loop,
     NameGen,
-    Node,
     Ref,
     Select,
     Var,
-    rewrite,
+    map_children,
     walk,
 )
 from latte.compiler.mapping import ConnAccess, DimAccess, fit_index_map, sink_var
@@ -170,7 +170,8 @@ class _Synth:
         return inner.stmts[0] if len(inner.stmts) == 1 else inner
 
     def _delinearizable(self, s: Loop) -> int | None:
-        """The connection whose input vector ``s`` walks whole, if every use is ``x[i]``."""
+        """The connection whose input vector ``s`` walks whole: every indexing use is ``x[i]``
+        (other uses read ``i`` as a number)."""
         whole, other = [], False
         for node in walk(s.body):
             if isinstance(node, NeuronRef):
@@ -178,9 +179,8 @@ class _Synth:
                     whole.append(node)
                     continue
                 other |= any(Var(s.var) in walk(e) for e in node.index)
-        n_uses = sum(1 for node in walk(s.body) if node == Var(s.var))
         conns = {r.conn for r in whole if r.kind in ("input", "grad_input")}
-        if other or n_uses != len(whole) or len(conns) != 1 or s.start != 0:
+        if other or len(conns) != 1 or s.start != 0:
             return None
         k = conns.pop()
         if self.merged[k] is None or s.stop != self.accesses[k].length:
@@ -197,15 +197,23 @@ class _Synth:
         return self.ref(t)
 
     def expr(self, e: Expr) -> Expr:
-        def fn(node: Node):
-            if isinstance(node, NeuronRef):
-                ref, guard = self.ref(node)
-                if guard is None:
-                    return Load(ref)
-                pad = self.accesses[node.conn].conn.padding
-                return Select(guard, Load(ref), Const(float(pad)))
-            return None
-        return rewrite(e, fn)
+        """Top-down: neuron refs become buffer loads; a delinearized loop variable used as a
+        value becomes its flat position again (an affine form of the per-dim variables)."""
+        if isinstance(e, NeuronRef):
+            ref, guard = self.ref(e)
+            if guard is None:
+                return Load(ref)
+            pad = self.accesses[e.conn].conn.padding
+            return Select(guard, Load(ref), Const(float(pad)))
+        if isinstance(e, Var) and e.name in self.delin:
+            dl = self.delin[e.name]
+            flat = Affine()
+            for a, v in zip(self.merged[dl.conn][1], dl.vars):
+                flat = flat * a.length + (Affine.of(v) if v else Affine())
+            return flat
+        if isinstance(e, (Affine, Buffer)):
+            return e
+        return map_children(e, self.expr)
 
     def ref(self, r: NeuronRef) -> tuple[Ref, Expr | None]:
         own = (Affine.of(self.n), *(Affine.of(v) for v in self.d))
@@ -259,8 +267,13 @@ class _Synth:
         else:  # a flat index: recover per-dim positions with div/mod
             flat, ts = _index(self.expr(i_expr)), []
             for g in reversed(range(len(dims))):
-                ts.insert(0, BinOp("%", flat, Const(dims[g].length)))
-                flat = BinOp("//", flat, Const(dims[g].length))
+                n = dims[g].length
+                if isinstance(flat, Affine) and not flat.terms:   # a constant: fold it
+                    ts.insert(0, Affine((), flat.const % n))
+                    flat = Affine((), flat.const // n)
+                else:
+                    ts.insert(0, BinOp("%", flat, Const(n)))
+                    flat = BinOp("//", flat, Const(n))
         index, conds = [], []
         for g, (a, t) in enumerate(zip(dims, ts)):
             lo = self.sinkify(a.lo)

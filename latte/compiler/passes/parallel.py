@@ -39,7 +39,7 @@ from latte.compiler.passes.data_copy import TID
 from latte.compiler.passes.tiling import is_batch_loop
 
 MIN_GEMM_FLOPS = 1 << 21     # smaller GEMMs are not worth a fork-join
-MIN_FLAT = 1 << 15           # elements of a flat loop worth splitting
+MIN_FLAT = 1 << 15           # iterations of a loop worth splitting across threads
 
 
 def parallelize(kernel: Kernel, bufs) -> Kernel:
@@ -48,7 +48,7 @@ def parallelize(kernel: Kernel, bufs) -> Kernel:
         return kernel
     out = []
     for s in kernel.body.stmts:
-        if is_batch_loop(s):
+        if is_batch_loop(s) and _work(s) >= MIN_FLAT:
             out.extend(_batch_nest(s, bufs))
         elif isinstance(s, Gemm):
             out.append(split_gemm(s, bufs.threads))
@@ -57,6 +57,21 @@ def parallelize(kernel: Kernel, bufs) -> Kernel:
         else:
             out.append(s)
     return replace(kernel, body=Block(tuple(out)))
+
+
+def _work(s) -> int:
+    """A rough count of the innermost iterations (GEMM multiply-adds count too)."""
+    if isinstance(s, Gemm):
+        return s.m * s.n * s.k
+    if isinstance(s, Loop):
+        return s.extent * sum(_work(c) for c in s.body.stmts)
+    if isinstance(s, (Block, If)):
+        return sum(_work(c) for c in _child_stmts(s))
+    return 1
+
+
+def _child_stmts(s) -> list:
+    return list(s.stmts) if isinstance(s, Block) else [*s.then.stmts, *s.orelse.stmts]
 
 
 def parallel(loop: Loop, collapse: int) -> Loop:
