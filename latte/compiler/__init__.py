@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from latte.compiler.buffers import BufferPlan
 from latte.compiler.codegen import ModuleBuilder
+from latte.compiler.fusion import ROW_DIM, fusion_groups, merge
 from latte.compiler.ir import (
     Affine,
     Assign,
@@ -111,42 +112,55 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
         bufs.value(ens), bufs.grad(ens)
     dead = frozenset(bufs.grad(e) for e in net.ensembles
                      if isinstance(e, DataEnsemble) and not getattr(e, "needs_grad", False))
+    budget = cache_sizes()[2] // 2   # a tile's working set: half of L2
     plans = []
-    pre_zeroed: set[Buffer] = set()   # gradients a GEMM overwrites need no zeroing
     for ens in net.ensembles:
-        if not isinstance(ens, Ensemble):
-            continue
-        # analysis: mapping functions -> affine access relations (isl)
-        plan = EnsemblePlan(ens, [analyze_connection(c) for c in net.connections_into(ens)])
+        if isinstance(ens, Ensemble):
+            # analysis: mapping functions -> affine access relations (isl)
+            plans.append(EnsemblePlan(ens, [analyze_connection(c) for c in net.connections_into(ens)]))
+    for plan in plans:
         for phase in ("forward", "backward"):
             # synthesis: neuron body -> loop nest over (batch, ensemble dims), SoA refs
-            kernel = synthesize(ens, phase, plan.accesses, bufs)
+            kernel = synthesize(plan.ensemble, phase, plan.accesses, bufs)
             verify_bounds(kernel)
             # data ensembles need no gradient
             kernel = prune_dead_gradients(kernel, dead)
             _dump("ir", f"{kernel.name} synthesized", format_ir(kernel))
-            if opt_level >= 1:
-                # split neuron bodies into perfect nests, then match multiply-accumulates
-                kernel = distribute_loops(kernel)
-                if opt_level >= 2:
-                    # row-plane tiles sized to half of L2
-                    kernel = tile_loops(kernel, cache_sizes()[2] // 2)
-                # sliding windows gathered into tile buffers, then GEMMs over them
-                kernel = copy_windows(kernel, bufs)
-                kernel = match_gemm(kernel)
-                # a GEMM that first writes a zeroed buffer overwrites it (beta = 0)
-                param_grads = frozenset(bufs.field_grad(ens, f.name) for f in ens.params)
-                kernel, folded = fold_zero_init(kernel, param_grads if phase == "backward"
-                                                else frozenset())
-                pre_zeroed |= folded
-                if opt_level >= 2:
-                    # nests over the same tiles run tile by tile; batch x tiles across threads,
-                    # private gradients reduced in thread order
-                    kernel = fuse_nests(kernel)
-                    kernel = parallelize(kernel, bufs)
-                _dump("ir", f"{kernel.name} optimized", format_ir(kernel))
+            # split neuron bodies into perfect nests
+            plan.kernels[phase] = distribute_loops(kernel) if opt_level >= 1 else kernel
+    # cross-layer fusion: chains whose tile T reads only the producer's tile T (isl)
+    groups = fusion_groups(net, plans, budget) if opt_level >= 3 else []
+    forced = {ens: (ROW_DIM, rows) for g in groups for ens, rows in g.rows.items()}
+    pre_zeroed: set[Buffer] = set()   # gradients a GEMM overwrites need no zeroing
+    for plan in plans if opt_level >= 1 else ():
+        ens = plan.ensemble
+        for phase in ("forward", "backward"):
+            kernel = plan.kernels[phase]
+            if opt_level >= 2:
+                # row-plane tiles sized to the cache budget (or to the fused group's)
+                kernel = tile_loops(kernel, budget, forced.get(ens))
+            # sliding windows gathered into tile buffers, then GEMMs over them
+            kernel = copy_windows(kernel, bufs)
+            kernel = match_gemm(kernel)
+            # a GEMM that first writes a zeroed buffer overwrites it (beta = 0)
+            param_grads = frozenset(bufs.field_grad(ens, f.name) for f in ens.params)
+            kernel, folded = fold_zero_init(kernel, param_grads if phase == "backward"
+                                            else frozenset())
+            pre_zeroed |= folded
             plan.kernels[phase] = kernel
-        plans.append(plan)
+    for group in groups:
+        for phase in ("forward", "backward"):
+            fused = merge(group, phase)
+            for plan in group.plans:
+                plan.kernels[phase] = replace(plan.kernels[phase], body=Block(()))
+            group.plans[0 if phase == "forward" else -1].kernels[phase] = fused
+    for plan in plans if opt_level >= 2 else ():
+        for phase in ("forward", "backward"):
+            # nests over the same tiles run tile by tile; batch x tiles across threads,
+            # private gradients reduced in thread order
+            kernel = parallelize(fuse_nests(plan.kernels[phase]), bufs)
+            _dump("ir", f"{kernel.name} optimized", format_ir(kernel))
+            plan.kernels[phase] = kernel
     params = [(e, f.name) for e in net.ensembles if isinstance(e, Ensemble) for f in e.params]
     by_ens = {p.ensemble: p for p in plans}
     forward = _steps(net.ensembles, by_ens, "forward", "fwd", split_segments)

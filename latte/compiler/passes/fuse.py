@@ -41,7 +41,7 @@ def _tile(s):
 def _same_space(a, b) -> bool:
     ta, tb = _tile(a), _tile(b)
     return (ta is not None and tb is not None and (a.var, a.extent) == (b.var, b.extent)
-            and (ta.var, ta.extent, ta.meta[0]) == (tb.var, tb.extent, tb.meta[0]))
+            and (ta.var, ta.extent) == (tb.var, tb.extent))
 
 
 def _accesses(s) -> list[tuple[object, Affine | None, list[tuple[int, int]]]]:

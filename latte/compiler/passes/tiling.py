@@ -14,26 +14,41 @@ shares with the next one); fusion scales tile sizes by these (paper figure 11).
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
-from latte.compiler.ir import Affine, Block, Kernel, Loop, LoopKind, Ref, Var, rewrite, walk
+from latte.compiler.ir import (
+    Affine,
+    BinOp,
+    Block,
+    Kernel,
+    Load,
+    Loop,
+    LoopKind,
+    Ref,
+    Select,
+    Var,
+    rewrite,
+    walk,
+)
 
 FLOAT_BYTES = 4
 
 
-def tile_loops(kernel: Kernel, budget: int) -> Kernel:
+def tile_loops(kernel: Kernel, budget: int, forced: tuple[int, int] | None = None) -> Kernel:
     """Tile every neuron nest that reads a sliding window; ``budget`` is in bytes. The other
     nests of the kernel (a bias, an element-wise step) get the same tiles, so that
-    :func:`~latte.compiler.passes.fuse.fuse_nests` can run them tile by tile together."""
-    stmts = [_tile(s, budget) if is_batch_loop(s) else s for s in kernel.body.stmts]
+    :func:`~latte.compiler.passes.fuse.fuse_nests` can run them tile by tile together.
+    ``forced = (dim, rows)`` tiles every nest along ensemble ``dim`` by ``rows`` (a fused
+    group's tile height)."""
+    stmts = [_tile(s, budget, forced) if is_batch_loop(s) else s for s in kernel.body.stmts]
     tiles = [s.body.stmts[0] for s in stmts if is_batch_loop(s) and _tile_loop(s) is not None]
-    if tiles:
-        first = tiles[0]
-        dim, size = first.axis.dim, dict(first.meta)["tile_size"]
+    if tiles or forced:
+        dim, size = forced or (tiles[0].axis.dim, dict(tiles[0].meta)["tile_size"])
         for i, s in enumerate(stmts):
             if is_batch_loop(s) and _tile_loop(s) is None:
                 lp = next((c for c in ensemble_chain(s)[1:] if c.axis.dim == dim), None)
-                if lp is not None and lp.start == 0 and lp.extent == first.stop * size:
+                if lp is not None and lp.start == 0 and lp.extent % size == 0:
                     stmts[i] = _split(s, lp, size, (("tile_size", size), ("scale", 1), ("halo", 0)))
     return replace(kernel, body=Block(tuple(stmts)))
 
@@ -68,17 +83,18 @@ def windowed_components(nest, sink: str) -> list[Affine]:
             if isinstance(c, Affine) and c.coef(sink) and c.vars & window]
 
 
-def _tile(nest: Loop, budget: int) -> Loop:
+def _tile(nest: Loop, budget: int, forced: tuple[int, int] | None) -> Loop:
     chain = ensemble_chain(nest)
     for lp in chain[1:]:
         comps = windowed_components(nest, lp.var)
-        if comps and lp.extent > 1 and lp.start == 0:
+        if comps and lp.extent > 1 and lp.start == 0 and (forced is None or lp.axis.dim == forced[0]):
             break
     else:
         return nest
     extents = {n.var: n.extent for n in walk(nest) if isinstance(n, Loop)}
     sizes = [t for t in range(lp.extent, 0, -1) if lp.extent % t == 0]
-    size = next((t for t in sizes if footprint(nest, extents, nest.var, lp.var, t) <= budget), 1)
+    size = forced[1] if forced else next(
+        (t for t in sizes if footprint(nest, extents, nest.var, lp.var, t) <= budget), 1)
     scale = abs(comps[0].coef(lp.var))
     reach = sum(abs(c) * (extents[v] - 1) for v, c in comps[0].terms if v != lp.var)
     return _split(nest, lp, size, (("tile_size", size), ("scale", scale), ("halo", reach + 1 - scale)))
@@ -108,26 +124,32 @@ def _split(nest: Loop, lp: Loop, size: int, meta: tuple) -> Loop:
 
 
 def footprint(nest: Loop, extents: dict[str, int], batch: str, tiled: str, size: int) -> int:
-    """Bytes one ``(batch item, tile of `size` rows)`` touches, gathered windows included."""
+    """Bytes one ``(batch item, tile of `size` rows)`` of ``nest`` touches."""
+    return sum(tile_boxes(nest, extents, batch, tiled, size).values()) * FLOAT_BYTES
+
+
+def tile_boxes(nest: Loop, extents: dict[str, int], batch: str, tiled: str, size: int) -> dict:
+    """Elements one tile touches per buffer (the largest box its refs span), and per window
+    a multiply-accumulate will gather, its tile buffer (keyed by the load)."""
     ext = dict(extents, **{batch: 1, tiled: size})
     window = window_vars(nest)
-    seen, total = set(), 0
+    boxes: dict = {}
     for r in walk(nest):
-        if not isinstance(r, Ref) or (r.buffer, r.index) in seen:
-            continue
-        seen.add((r.buffer, r.index))
-        vol = 1
-        for c, extent in zip(r.index, r.view):
-            if isinstance(c, Affine):
-                vol *= min(extent, 1 + sum(abs(k) * (ext[v] - 1) for v, k in c.terms if v in ext))
-            else:
-                vol *= extent
-        total += vol
-        mixed = [c for c in r.index if isinstance(c, Affine) and c.vars & window
-                 and c.vars - window - {batch}]
-        if mixed:  # a sliding window is gathered into a tile buffer
-            gathered = 1
-            for v in {v for c in r.index if isinstance(c, Affine) for v in c.vars} - {batch}:
-                gathered *= ext.get(v, 1)
-            total += gathered
-    return total * FLOAT_BYTES
+        if isinstance(r, Ref):
+            vol = 1
+            for c, extent in zip(r.index, r.view):
+                if isinstance(c, Affine):
+                    vol *= min(extent, 1 + sum(abs(k) * (ext[v] - 1) for v, k in c.terms if v in ext))
+                else:
+                    vol *= extent
+            boxes[r.buffer] = max(boxes.get(r.buffer, 0), vol)
+    for op in walk(nest):
+        if isinstance(op, BinOp) and op.op == "*":
+            for e in (op.lhs, op.rhs):
+                e = e.if_true if isinstance(e, Select) else e
+                if isinstance(e, Load) and isinstance(e.ref, Ref) and any(
+                        isinstance(c, Affine) and c.vars & window and c.vars - window - {batch}
+                        for c in e.ref.index):
+                    used = {v for c in e.ref.index if isinstance(c, Affine) for v in c.vars} - {batch}
+                    boxes[e] = math.prod(ext.get(v, 1) for v in used)
+    return boxes

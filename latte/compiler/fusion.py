@@ -1,0 +1,127 @@
+"""Cross-layer fusion (paper 5.4.2, figures 10-12): chains of ensembles that run tile by tile.
+
+A group is a chain ``producer -> consumer -> ...`` in which each consumer is the only reader
+of its producer and tile ``T`` of the consumer reads only tile ``T`` of the producer: isl
+decides this on the access relation (:func:`~latte.compiler.mapping.tile_local`). Tile
+heights are scaled by the strides along the chain (a 2x2 stride-2 pool after a conv doubles
+the conv's tile, figure 11), and the group's largest tile whose working set fits the cache
+budget wins. The members' kernels are then concatenated (forward in order, backward in
+reverse) and :func:`~latte.compiler.passes.fuse_nests` fuses their tile loops.
+
+Consumers that need rows of the next tile too (a 3x3 conv after a conv: a halo) end a group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from latte.compiler.buffers import storage_owner
+from latte.compiler.ir import Block, Kernel, Loop, walk
+from latte.compiler.mapping import tile_local
+from latte.compiler.passes.tiling import FLOAT_BYTES, ensemble_chain, is_batch_loop, tile_boxes
+from latte.lang import ActivationEnsemble, NormalizationEnsemble
+
+ROW_DIM = 1   # ensembles are (channels, rows, cols): tiles are row planes
+
+
+@dataclass
+class Group:
+    """Consecutive ensembles fused tile by tile, and each one's tile height."""
+
+    plans: list
+    rows: dict          # ensemble -> tile rows
+
+    @property
+    def name(self) -> str:
+        return "+".join(p.ensemble.name for p in self.plans)
+
+
+def fusion_groups(net, plans, budget: int) -> list[Group]:
+    """The fused groups of ``net`` (only groups of two or more ensembles)."""
+    groups, chain = [], []
+    for plan in plans:
+        if chain and _consumes(net, chain[-1], plan):
+            chain.append(plan)
+            continue
+        groups += _fit(chain, budget)
+        chain = [plan] if _tileable(plan) else []
+    return groups + _fit(chain, budget)
+
+
+def _tileable(plan) -> bool:
+    shape = plan.ensemble.shape
+    return len(shape) == 3 and shape[ROW_DIM] > 1 and any(
+        is_batch_loop(s) for s in plan.kernels["forward"].body.stmts)
+
+
+def _consumes(net, producer, plan) -> bool:
+    """``plan``'s ensemble reads only ``producer``'s, and nothing else reads it."""
+    ens, prod = plan.ensemble, producer.ensemble
+    if isinstance(ens, ActivationEnsemble):   # in place: reads its source's own tile
+        return ens.source is prod and _tileable(plan)
+    if not _tileable(plan) or len(plan.accesses) != 1 or plan.accesses[0].dims is None:
+        return False
+    if storage_owner(plan.accesses[0].conn.source) is not storage_owner(prod):
+        return False
+    readers = [c for c in net.connections if c.source is prod]
+    host = [e for e in net.ensembles if isinstance(e, NormalizationEnsemble) and prod in e.inputs]
+    return len(readers) == 1 and readers[0].sink is ens and not host
+
+
+def _scale(plan) -> int:
+    """Producer rows per consumer row (the stride along the row dimension)."""
+    if isinstance(plan.ensemble, ActivationEnsemble):
+        return 1
+    return abs(plan.accesses[0].dims[ROW_DIM].lo.coef(f"%{ROW_DIM}")) or 1
+
+
+def _fit(chain: list, budget: int) -> list[Group]:
+    """The longest prefix of ``chain`` with a tiling that is legal and fits ``budget``."""
+    while len(chain) > 1:
+        rows = _rows(chain, budget)
+        if rows is not None:
+            return [Group(list(chain), rows)]
+        chain = chain[:-1]
+    return []
+
+
+def _rows(chain: list, budget: int) -> dict | None:
+    last = chain[-1].ensemble.shape[ROW_DIM]
+    for r in [r for r in range(last, 0, -1) if last % r == 0]:
+        tiles, sizes = last // r, [r]
+        for plan in reversed(chain[1:]):
+            sizes.insert(0, sizes[0] * _scale(plan))
+        if any(p.ensemble.shape[ROW_DIM] != s * tiles for p, s in zip(chain, sizes)):
+            continue
+        if not all(isinstance(p.ensemble, ActivationEnsemble)
+                   or tile_local(p.accesses[0], ROW_DIM, s, ROW_DIM, s_prev, tiles)
+                   for p, s, s_prev in zip(chain[1:], sizes[1:], sizes)):
+            continue
+        boxes: dict = {}
+        for p, s in zip(chain, sizes):
+            for key, n in _boxes(p, s).items():
+                boxes[key] = max(boxes.get(key, 0), n)
+        if sum(boxes.values()) * FLOAT_BYTES <= budget:
+            return {p.ensemble: s for p, s in zip(chain, sizes)}
+    return None
+
+
+def _boxes(plan, rows: int) -> dict:
+    """Elements per buffer a forward tile of ``rows`` rows of ``plan``'s ensemble touches."""
+    boxes: dict = {}
+    for nest in plan.kernels["forward"].body.stmts:
+        if not is_batch_loop(nest):
+            continue
+        row = next((lp for lp in ensemble_chain(nest) if lp.axis.dim == ROW_DIM), None)
+        if row is not None:
+            extents = {n.var: n.extent for n in walk(nest) if isinstance(n, Loop)}
+            for key, n in tile_boxes(nest, extents, nest.var, row.var, rows).items():
+                boxes[key] = max(boxes.get(key, 0), n)
+    return boxes
+
+
+def merge(group: Group, phase: str) -> Kernel:
+    """The members' kernels of ``phase`` as one kernel (backward runs in reverse order)."""
+    plans = group.plans if phase == "forward" else group.plans[::-1]
+    stmts = tuple(s for p in plans for s in p.kernels[phase].body.stmts)
+    return replace(plans[0].kernels[phase], name=f"{group.name}.{phase}", body=Block(stmts))
