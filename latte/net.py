@@ -6,6 +6,8 @@ import io
 import json
 import os
 import tempfile
+import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,12 +15,14 @@ import numpy as np
 from latte import random as latte_random
 from latte.compiler import compile_net
 from latte.compiler.blas import set_blas_threads
+from latte.compiler.jit import openmp
 from latte.errors import DataError, LatteError
-from latte.lang import DataEnsemble, Graph, NormalizationEnsemble, Phase
+from latte.lang import DataEnsemble, Ensemble, Graph, NormalizationEnsemble, Phase
 from latte.overrides import pick
 from latte.runtime import distributed
 from latte.runtime.executor import Executor
 from latte.runtime.memory import Memory
+from latte.runtime.profile import Profile
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,11 +38,17 @@ class Parameter:
 
 
 class Net(Graph):
-    """A network of ensembles; ``init()`` compiles it, ``forward``/``backward`` run it."""
+    """A network of ensembles; ``init()`` compiles it, ``forward``/``backward`` run it.
+
+    ``profile=True`` (or ``latte run --profile``) compiles one native segment per ensemble
+    and times each: ``net.profile`` (a :class:`~latte.runtime.profile.Profile`) then holds
+    per-ensemble forward/backward time; it is None otherwise.
+    """
 
     def __init__(self, batch_size: int, *, num_threads: int | None = None, opt_level: int = 3,
-                 seed: int | None = None, deterministic: bool = False):
+                 seed: int | None = None, deterministic: bool = False, profile: bool = False):
         super().__init__(batch_size)
+        self.profile: Profile | None = Profile() if pick("profile", profile) else None
         self.num_threads = pick("num_threads", num_threads)
         if self.num_threads is None and distributed.active():
             self.num_threads = 1   # one compute thread per rank unless told otherwise
@@ -62,12 +72,17 @@ class Net(Graph):
         if self.program is not None:
             return
         threads = self.num_threads or os.cpu_count() or 1
-        set_blas_threads(threads)
-        self.program = compile_net(self, self.opt_level, split_segments=distributed.active())
+        if threads > 1 and self.opt_level >= 2 and openmp() is None:
+            warnings.warn("libgomp not found (it comes with gcc): running on one thread", stacklevel=2)
+            threads = 1
+        # from opt level 2 latte forks its own threads and each sgemm call runs on one
+        set_blas_threads(1 if self.opt_level >= 2 else threads)
+        split = distributed.active() or self.profile is not None
+        self.program = compile_net(self, self.opt_level, split_segments=split, threads=threads)
         self._memory = Memory(self.program)
         self._comm = (distributed.Communicator(os.environ.get("LATTE_MPI_OVERLAP") != "0")
                       if distributed.active() else None)
-        self._executor = Executor(self.program, self._memory, self._comm)
+        self._executor = Executor(self.program, self._memory, self._comm, self.profile)
         bufs = self.program.buffers
         self.params = []
         for ens, name in self.program.params:
@@ -77,6 +92,9 @@ class Net(Graph):
                                          self._memory[bufs.history(ens, name)],
                                          f.spec.lr_mult, f.spec.decay_mult))
         self._scalars = self._memory[bufs.scalars(3 * len(self.params))]
+        self._before_forward = [(e, {name: self.field(e, name) for name in e.fields})
+                                for e in self.ensembles if isinstance(e, Ensemble)
+                                and type(e).before_forward is not Ensemble.before_forward]
         for p in self.params:   # every rank starts from rank 0's parameters
             distributed.broadcast(p.value)
 
@@ -96,11 +114,20 @@ class Net(Graph):
         """Load the next batch from every data source and run the forward pass."""
         self._ready()
         self.phase = phase
+        column = "test" if phase is Phase.TEST else "forward"
+        start = time.perf_counter()
         valid = self.batch_size
         for source in self.data_sources():
             valid = min(valid, source.load(self, phase))
         self.valid = valid
-        self._executor.forward(valid)
+        if self.profile is not None:
+            self.profile.add("(data)", column, time.perf_counter() - start)
+        for ens, fields in self._before_forward:
+            start = time.perf_counter()
+            ens.before_forward(phase, fields)
+            if self.profile is not None:
+                self.profile.add(ens.name, column, time.perf_counter() - start)
+        self._executor.forward(valid, column)
 
     def backward(self) -> None:
         """Zero every gradient, then back-propagate from the losses."""
@@ -130,6 +157,12 @@ class Net(Graph):
         """Writable ``(batch, *shape)`` view of d loss / d value."""
         self._ready()
         return self._memory[self.program.buffers.grad(self.ensemble(ens_or_name))]
+
+    def field(self, ens_or_name, name: str) -> np.ndarray:
+        """Writable view of a neuron field's buffer: the field's array, with a leading batch
+        dimension for a ``Batch`` field (e.g. a pooling arg-max or a dropout mask)."""
+        self._ready()
+        return self._memory[self.program.buffers.field(self.ensemble(ens_or_name), name)]
 
     @property
     def loss(self) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -103,6 +104,43 @@ def test_profile_prints_a_table(tmp_path):
     assert result.returncode == 0, result.stderr
     for phase in ("compile", "forward (train", "backward", "update", "forward (test"):
         assert f"  {phase}" in result.stderr
+
+
+def _table(stderr: str, first: str, stop: str) -> dict[str, list[str]]:
+    """The rows of a ``--profile`` table (name -> the other columns), from the line after
+    the one starting with ``first`` to the one whose name is ``stop``."""
+    lines = stderr.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(first))
+    rows = {}
+    for line in lines[start + 2:]:
+        name, *cols = re.split(r"\s{2,}|\s(?=[-\d])", line.strip())
+        rows[name] = cols
+        if name == stop:
+            return rows
+    raise AssertionError(f"no {stop!r} row in:\n{stderr}")
+
+
+def test_profile_prints_time_per_ensemble(tmp_path):
+    result = _latte(tmp_path, "run", _mlp(tmp_path), "--profile")   # opt level 3
+    assert result.returncode == 0, result.stderr
+    phases = _table(result.stderr, "profile:", "rest of the script")
+    ensembles = _table(result.stderr, "per ensemble", "total")
+    # every non-data ensemble, data loading, zeroing the gradients and the update
+    assert set(ensembles) == {"(data)", "ip1", "relu1", "ip2", "loss", "accuracy",
+                              "(zero_grads)", "(sgd_update)", "total"}
+    ms = {name: [float(c) if c != "-" else 0.0 for c in cols[:3]]
+          for name, cols in ensembles.items()}
+    *rows, total = ms.values()
+    for col in range(3):   # forward, backward, total: the rows add up to the total row
+        assert sum(r[col] for r in rows) == pytest.approx(total[col], abs=0.002 * len(rows))
+    assert total[0] + total[1] <= total[2] + 0.01      # the update is in neither column
+    shares = [float(cols[3].rstrip("%")) for name, cols in ensembles.items() if name != "total"]
+    assert sum(shares) == pytest.approx(100, abs=0.1 * len(shares))
+    # and to (roughly) the time the phases took: the rest is Python around the steps
+    per_call = sum(float(phases[p][2]) for p in ("forward (train, incl. data)", "backward",
+                                                  "update"))
+    assert 0.5 * per_call <= total[2] <= per_call * 1.05 + 0.01
+    assert ms["ip1"][0] > 0 and ms["ip1"][1] > 0
 
 
 def _bad_mapping_script(tmp_path: Path) -> Path:

@@ -302,7 +302,7 @@ class MaxNeuron(Neuron):
     def forward(self):
         best = self.inputs[0][0]
         arg = 0
-        for i in range(1, len(self.inputs[0])):
+        for i in range(len(self.inputs[0])):
             if self.inputs[0][i] > best:
                 best = self.inputs[0][i]
                 arg = i

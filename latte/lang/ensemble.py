@@ -8,6 +8,7 @@ from typing import Any, Callable
 import numpy as np
 
 from latte.errors import ShapeError
+from latte.lang.graph import Phase
 from latte.lang.neuron import FieldKind, FieldSpec, Neuron, field_specs
 
 
@@ -102,6 +103,11 @@ class Ensemble(BaseEnsemble):
     @property
     def params(self) -> list[FieldData]:
         return [f for f in self.fields.values() if f.spec.kind is FieldKind.PARAM]
+
+    def before_forward(self, phase: Phase, fields: dict[str, np.ndarray]) -> None:
+        """Called by ``Net.forward`` before each forward pass when a subclass overrides it
+        (dropout draws its masks here), with writable views of the live field buffers, as
+        ``Net.field`` gives them. Once per pass, not per neuron."""
 
 
 class ActivationEnsemble(Ensemble):

@@ -1,0 +1,84 @@
+"""Max and mean pooling: each output neuron reads a window of one input channel.
+
+Channel ``c`` of the output reads channel ``c`` of the input only (the mapping's first entry
+is an int, not a range), windows of ``kh x kw`` at a stride, and padding outside the input.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from latte.errors import ShapeError
+from latte.lang import Batch, Ensemble, Field, Neuron, add_connections
+from latte.stdlib.convolution import output_size, pair
+
+# what max pooling reads outside the input: below every finite float32, so never the max
+MAX_PADDING = float(np.finfo(np.float32).min)
+
+
+class MaxNeuron(Neuron):
+    """The maximum of the window; the arg-max (first one on ties) is kept per batch item, and
+    backward routes the gradient to it alone."""
+
+    argmax: Batch
+
+    def forward(self):
+        best = self.inputs[0][0]
+        arg = 0
+        for i in range(len(self.inputs[0])):
+            if self.inputs[0][i] > best:
+                best = self.inputs[0][i]
+                arg = i
+        self.value = best
+        self.argmax = arg
+
+    def backward(self):
+        for i in range(len(self.inputs[0])):
+            if i == self.argmax:
+                self.grad_inputs[0][i] += self.grad
+
+
+class MeanNeuron(Neuron):
+    """The window's sum times ``scale`` (one over the window size, padding included)."""
+
+    scale: Field
+
+    def forward(self):
+        for i in range(len(self.inputs[0])):
+            self.value += self.inputs[0][i]
+        self.value = self.value * self.scale
+
+    def backward(self):
+        for i in range(len(self.inputs[0])):
+            self.grad_inputs[0][i] += self.grad * self.scale
+
+
+def _pool(name: str, net, input_ens, kernel, stride, pad, neuron: type, padding: float,
+          fields) -> Ensemble:
+    kh, kw = pair(kernel, "kernel", 1)
+    sy, sx = pair(kernel if stride is None else stride, "stride", 1)
+    py, px = pair(pad, "pad", 0)
+    if py >= kh or px >= kw:   # else a window could lie wholly in the padding
+        raise ShapeError(f"layer {name!r}: pad {pad} must be smaller than the kernel {kernel}")
+    out_h, out_w = output_size(name, input_ens, (kh, kw), (sy, sx), (py, px))
+    shape = (input_ens.shape[0], out_h, out_w)
+    pool = Ensemble(net, name, neuron, shape, **fields(shape, kh * kw))
+    add_connections(net, input_ens, pool, lambda c, y, x: (
+        c, range(sy * y - py, sy * y - py + kh), range(sx * x - px, sx * x - px + kw)),
+        padding=padding if py or px else None)
+    return pool
+
+
+def MaxPoolingLayer(name: str, net, input_ens, kernel, stride=None, pad=0) -> Ensemble:
+    """Maximum over ``kernel`` windows (int or ``(kh, kw)``) of each channel of a ``(C, H, W)``
+    input; ``stride`` defaults to the kernel. Padding never wins the max."""
+    return _pool(name, net, input_ens, kernel, stride, pad, MaxNeuron, MAX_PADDING,
+                 lambda shape, n: {"argmax": np.zeros(shape, np.float32)})
+
+
+def MeanPoolingLayer(name: str, net, input_ens, kernel, stride=None, pad=0) -> Ensemble:
+    """Mean over ``kernel`` windows of each channel of a ``(C, H, W)`` input; ``stride``
+    defaults to the kernel. Padding reads as zero and counts in the divisor ``kh*kw``."""
+    return _pool(name, net, input_ens, kernel, stride, pad, MeanNeuron, 0.0,
+                 lambda shape, n: {"scale": (np.full((1, 1), 1.0 / n, np.float32),
+                                             lambda c, y, x: 0)})
