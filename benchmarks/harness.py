@@ -11,6 +11,7 @@ import argparse
 import ctypes
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -29,9 +30,18 @@ def median_ms(fn, warmup: int = 5, repeat: int = 30) -> float:
     return statistics.median(times) * 1e3
 
 
-def run_worker(script: str, framework: str, threads: int, extra: list[str] | None = None) -> dict | None:
-    """Run ``script --worker framework --threads N`` and parse its JSON line (None: skipped)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+# glibc returns blocks above 32 MiB to the OS on free, so an eager framework that allocates
+# its activations per call page-faults them in again every call (costly in a VM). With
+# these settings every worker keeps freed memory, and such a framework runs warm.
+KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+
+
+def run_worker(script: str, framework: str, threads: int, extra: list[str] | None = None,
+               env: dict[str, str] | None = None) -> dict | None:
+    """Run ``script --worker framework --threads N`` and parse its JSON line (None: skipped);
+    ``env`` adds variables to the worker's environment (which otherwise is ours, so
+    ``OPENBLAS_*`` settings carry over)."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), **(env or {}))
     cmd = [sys.executable, script, "--worker", framework, "--threads", str(threads), *(extra or [])]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
@@ -41,12 +51,74 @@ def run_worker(script: str, framework: str, threads: int, extra: list[str] | Non
     return json.loads(lines[-1]) if lines else None
 
 
-def worker_args() -> argparse.Namespace:
+def worker_args(repeat: int = 30) -> argparse.Namespace:
+    """Options every benchmark takes; ``--quick`` is a smoke run (3 repetitions, 1 warm-up)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", default=None, help="internal: run one measurement")
     ap.add_argument("--threads", type=int, nargs="*", default=[1, 2])
-    ap.add_argument("--repeat", type=int, default=30)
-    return ap.parse_args()
+    ap.add_argument("--repeat", type=int, default=repeat)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="a fast smoke run: few repetitions")
+    ap.add_argument("--stock-malloc", action="store_true",
+                    help="leave glibc malloc as it is (default: workers keep freed memory, "
+                         "see KEEP_FREED_MEMORY)")
+    args = ap.parse_args()
+    if args.quick:
+        args.repeat, args.warmup = min(args.repeat, 3), 1
+    return args
+
+
+def worker_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment a driver adds for its workers (see ``--stock-malloc``)."""
+    return {} if args.stock_malloc else KEEP_FREED_MEMORY
+
+
+def worker_options(args: argparse.Namespace) -> list[str]:
+    """The options a driver passes on to its workers."""
+    return ["--repeat", str(args.repeat), "--warmup", str(args.warmup)]
+
+
+def latte_profile(net, fn, warmup: int, repeat: int) -> dict[str, dict[str, float]]:
+    """Per ensemble and phase, mean ms per call of ``fn`` on a net built with
+    ``profile=True`` (see :class:`latte.runtime.profile.Profile`), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    net.profile.reset()
+    for _ in range(repeat):
+        fn()
+    return net.profile.ms_per_call()
+
+
+def scaling_table(profiles: dict[int, dict[str, dict[str, float]]],
+                  phases: tuple[str, ...] = ("forward", "backward")) -> str:
+    """Per ensemble, ms per call at each thread count and the speedup from the fewest to the
+    most threads, for each phase (from :func:`latte_profile` results keyed by threads)."""
+    counts = sorted(profiles)
+    lo, hi = counts[0], counts[-1]
+    names = list(profiles[lo])
+    header = ["ensemble"]
+    for phase in phases:
+        header += [f"{phase} ms x{t}" for t in counts] + ([f"{phase} x{lo}/x{hi}"]
+                                                          if hi != lo else [])
+    rows = []
+    totals = {t: {p: 0.0 for p in phases} for t in counts}
+    for name in names + ["total"]:
+        if name != "total" and not any(profiles[lo][name].get(p) for p in phases):
+            continue
+        row = [name]
+        for phase in phases:
+            ms = {}
+            for t in counts:
+                if name == "total":
+                    ms[t] = totals[t][phase]
+                else:
+                    ms[t] = profiles[t].get(name, {}).get(phase, 0.0)
+                    totals[t][phase] += ms[t]
+            row += [f"{ms[t]:.3f}" if ms[t] else "-" for t in counts]
+            if hi != lo:
+                row.append(f"{ms[lo] / ms[hi]:.2f}x" if ms[lo] and ms[hi] else "-")
+        rows.append(row)
+    return table(rows, header)
 
 
 def emit(result: dict) -> None:
@@ -59,6 +131,37 @@ def openblas_core() -> str:
     lib = blas()
     lib.scipy_openblas_get_corename.restype = ctypes.c_char_p
     return lib.scipy_openblas_get_corename().decode()
+
+
+class OtherLoad:
+    """How busy other processes kept the machine while a benchmark ran: CPU time used by all
+    processes (``/proc/stat``, Linux) minus our own and our workers'. Thread scaling means
+    little when other processes hold the cores."""
+
+    def __init__(self) -> None:
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        busy = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+        ours = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                     resource.getrusage(resource.RUSAGE_CHILDREN)))
+        return busy, ours, time.perf_counter()
+
+    def note(self) -> str:
+        end = self._sample()
+        if self.start is None or end is None:
+            return "load of other processes unknown"
+        others = max(0.0, (end[0] - self.start[0]) - (end[1] - self.start[1]))
+        cores = others / max(end[2] - self.start[2], 1e-9)
+        warn = "; timings are noisy, rerun on an idle machine" if cores > 0.1 else ""
+        return (f"other processes kept {cores:.2f} of {os.cpu_count()} CPUs busy on average "
+                f"during the run{warn}")
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:

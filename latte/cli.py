@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, metavar="S", help="random seed")
     _add_opt_level(run)
     run.add_argument("--profile", action="store_true",
-                     help="print where the time went (compile, forward, backward, update)")
+                     help="print where the time went: compile, forward, backward, update, "
+                          "and forward/backward per ensemble")
     run.set_defaults(action=_run)
 
     explain = commands.add_parser("explain", help="compile a net script's net(s) and print "
@@ -114,6 +115,7 @@ def _run(args: argparse.Namespace, script: str) -> int:
     profiler = _Profiler() if args.profile else None
     leader = distributed.rank() == 0   # under MPI only rank 0 prints progress
     progress = _Progress(sys.stderr) if leader else _silent
+    nets: list[Net] = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(_overrides(max_epoch=args.max_epoch, num_threads=args.threads,
                                        seed=args.seed, opt_level=args.opt_level,
@@ -122,11 +124,18 @@ def _run(args: argparse.Namespace, script: str) -> int:
             stack.callback(progress.close)
         if profiler:
             stack.enter_context(profiler.installed())
+            stack.enter_context(_tracking(nets))
         start = time.perf_counter()
         _run_script(script)
         elapsed = time.perf_counter() - start
     if profiler and leader:
         profiler.report(elapsed, sys.stderr)
+        profiled = [n for n in nets if n.profile is not None and n.profile.calls["forward"]]
+        for i, net in enumerate(profiled):
+            if len(profiled) > 1:
+                print(f"net {i + 1} of {len(profiled)} (batch size {net.batch_size}), ",
+                      end="", file=sys.stderr)
+            print(net.profile.format(), file=sys.stderr)
     return 0
 
 
@@ -188,7 +197,9 @@ class _Progress:
 
 
 class _Profiler:
-    """``--profile``: exclusive wall time in ``Net.init``/``forward``/``backward``/``update``."""
+    """``--profile``: exclusive wall time in ``Net.init``/``forward``/``backward``/``update``
+    (the per-ensemble table comes from each net's own :class:`~latte.runtime.profile.Profile`,
+    which the ``profile`` override switches on)."""
 
     PHASES = ("compile", "forward (train, incl. data)", "backward", "update",
               "forward (test, incl. data)")

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import time
 
 import numpy as np
 
-from latte.compiler import Program, Segment
+from latte.compiler import HostStep, Program, Segment
 from latte.compiler.ir import Buffer, walk
 from latte.runtime.distributed import Communicator
 from latte.runtime.memory import Memory
+from latte.runtime.profile import Profile
 
 _SEGMENT = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
@@ -20,16 +22,22 @@ class Executor:
 
     With a :class:`Communicator`, each parameter gradient's reduction over ranks starts
     after the last backward segment that writes it, and later steps let it progress.
+
+    With a :class:`Profile`, each step is timed and charged to the ensemble(s) it runs (the
+    program should then have one segment per ensemble: ``compile_net(split_segments=True)``).
     """
 
-    def __init__(self, program: Program, memory: Memory, comm: Communicator | None = None):
-        self.program, self.memory, self.comm = program, memory, comm
+    def __init__(self, program: Program, memory: Memory, comm: Communicator | None = None,
+                 profile: Profile | None = None):
+        self.program, self.memory, self.comm, self.profile = program, memory, comm, profile
         self._ready_grads = _ready_grads(program, memory) if comm is not None else {}
         self._fns = {}
         segments = [s for s in program.forward + program.backward if isinstance(s, Segment)]
         for seg in segments + [program.update]:
             self._fns[seg.name] = _SEGMENT(program.library.address(seg.name))
         self._table = ctypes.cast(memory.table, ctypes.c_void_p)
+        steps = program.forward + program.backward + [program.update]
+        self._labels = {id(s): step_label(s) for s in steps} if profile is not None else {}
 
     def _run(self, steps, valid: int) -> None:
         bufs, mem = self.program.buffers, self.memory
@@ -49,18 +57,56 @@ class Executor:
                 ens.backward(values, [mem[bufs.grad(i)] for i in ens.inputs],
                              mem[bufs.value(ens)], mem[bufs.grad(ens)], valid)
 
-    def forward(self, valid: int) -> None:
-        self._run(self.program.forward, valid)
+    def _run_profiled(self, steps, valid: int, phase: str) -> None:
+        """:meth:`_run`, one step at a time under a clock (kept apart so that the unprofiled
+        path pays nothing)."""
+        clock, profile, labels = time.perf_counter, self.profile, self._labels
+        profile.count(phase)
+        for step in steps:
+            start = clock()
+            self._run((step,), valid)
+            profile.add(labels[id(step)], phase, clock() - start)
+
+    def forward(self, valid: int, phase: str = "forward") -> None:
+        """Run the forward steps; ``phase`` (``"forward"`` or ``"test"``) names the profile
+        column the time goes to."""
+        if self.profile is None:
+            self._run(self.program.forward, valid)
+        else:
+            self._run_profiled(self.program.forward, valid, phase)
 
     def backward(self, valid: int) -> None:
         if self.comm is not None:
             self.comm.wait_all()   # a second backward must not zero gradients in flight
-        self._run(self.program.backward, valid)
+        if self.profile is None:
+            self._run(self.program.backward, valid)
+        else:
+            self._run_profiled(self.program.backward, valid, "backward")
 
     def update(self) -> None:
         if self.comm is not None:
             self.comm.wait_all()
+        if self.profile is None:
+            self._fns[self.program.update.name](self._table)
+            return
+        start = time.perf_counter()
         self._fns[self.program.update.name](self._table)
+        self.profile.count("update")
+        self.profile.add(self._labels[id(self.program.update)], "update",
+                         time.perf_counter() - start)
+
+
+def step_label(step) -> str:
+    """The profile row of a step: its ensembles' names in order, joined by ``+``; a kernel
+    that belongs to no ensemble (zeroing gradients, the SGD update) as ``(kernel name)``."""
+    if isinstance(step, HostStep):
+        return step.ensemble.name
+    names = []
+    for kernel in step.kernels:
+        name = kernel.ensemble.name if kernel.ensemble is not None else f"({kernel.name})"
+        if name not in names:
+            names.append(name)
+    return "+".join(names)
 
 
 def _ready_grads(program: Program, memory: Memory) -> dict[str, list[np.ndarray]]:
