@@ -14,7 +14,7 @@ import numpy as np
 
 from latte import random as latte_random
 from latte.compiler import compile_net
-from latte.compiler.blas import set_blas_threads
+from latte.compiler.blas import pin_other_blas, set_blas_threads
 from latte.compiler.jit import openmp
 from latte.errors import DataError, LatteError
 from latte.lang import DataEnsemble, Ensemble, Graph, NormalizationEnsemble, Phase
@@ -77,6 +77,7 @@ class Net(Graph):
             threads = 1
         # from opt level 2 latte forks its own threads and each sgemm call runs on one
         set_blas_threads(1 if self.opt_level >= 2 else threads)
+        pin_other_blas()
         split = distributed.active() or self.profile is not None
         self.program = compile_net(self, self.opt_level, split_segments=split, threads=threads)
         self._memory = Memory(self.program)

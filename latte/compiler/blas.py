@@ -12,7 +12,17 @@ def blas() -> ctypes.CDLL:
     import scipy_openblas32
 
     path = os.path.join(scipy_openblas32.get_lib_dir(), f"lib{scipy_openblas32.get_library()}.so")
-    return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    # start with no worker threads (they would idle against latte's own); set_blas_threads
+    # grows the pool where sgemm itself should be threaded
+    saved = os.environ.get("OPENBLAS_NUM_THREADS")
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    finally:
+        if saved is None:
+            del os.environ["OPENBLAS_NUM_THREADS"]
+        else:
+            os.environ["OPENBLAS_NUM_THREADS"] = saved
 
 
 def set_blas_threads(n: int) -> None:
@@ -22,3 +32,18 @@ def set_blas_threads(n: int) -> None:
 
 def blas_threads() -> int:
     return int(blas().scipy_openblas_get_num_threads())
+
+
+def pin_other_blas() -> None:
+    """Other OpenBLAS copies in the process (numpy ships its own) run on one thread: their
+    idle pools would fight latte's threads for the cores."""
+    ours = os.path.realpath(blas()._name)
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "openblas" in line and "/" in line}
+    for path in paths - {ours}:
+        lib = ctypes.CDLL(path)
+        for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+                     "openblas_set_num_threads"):
+            if hasattr(lib, name):
+                getattr(lib, name)(ctypes.c_int(1))
+                break

@@ -228,8 +228,9 @@ def occam(chain: Sequence[Layer], budget: int, *, batch: int = 1) -> Plan:
             if fp > budget and windows > 1:
                 break
             cost = best[i] + batch * (lay.in_bytes() + chain[j].out_bytes())
-            if cost < best[j + 1]:       # on a tie (a cut moved across an element-wise
-                                         # layer) the later cut: it stays with its producer
+            # ties come from moving a cut across element-wise layers: keep the later cut, so
+            # they stay with their producer
+            if cost < best[j + 1]:
                 best[j + 1], start[j] = cost, i
     groups, j = [], n - 1
     while j >= 0:
@@ -277,8 +278,9 @@ def steps(chain: Sequence[Layer]) -> list[tuple[int, int]]:
 def brainslug(chain: Sequence[Layer], budget: int, *, batch: int = 1) -> Plan:
     """BrainSlug's sequences (BrainSlug 4.1): consecutive :func:`steps` packed greedily, a
     step joining the current sequence while the sequence's working set (the
-    :func:`footprint` of one output row plane) fits ``budget``, else starting the next one.
-    Each sequence then takes the largest tile that fits ("we increase the size of it").
+    :func:`footprint` of one output row plane) fits ``budget``, else starting the next one
+    (a step too big on its own is a sequence of its own). Each sequence then takes the
+    largest tile that fits ("we increase the size of it").
 
     Listing 1 as printed does not do this: its step loop tests ``not onlyElementwise() or
     not isElementwise()`` and, inside that branch, adds the operation and closes the step,
