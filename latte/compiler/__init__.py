@@ -92,6 +92,8 @@ class Program:
     plans: list[EnsemblePlan]
     opt_level: int
     library: CodeLibrary | None = None
+    groups: list = field(default_factory=list)   # fused groups (opt level 3)
+    budget: int = 0                               # bytes a tile's working set may use
 
 
 def _dump(kind: str, title: str, text: str) -> None:
@@ -172,7 +174,8 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     else:
         backward.insert(0, Segment("bwd_zero", (zero,)))
     update = Segment("update", (parallelize(_update_kernel(params, bufs), bufs),))
-    program = Program(bufs, forward, backward, update, params, plans, opt_level)
+    program = Program(bufs, forward, backward, update, params, plans, opt_level, groups=groups,
+                      budget=budget)
     # codegen: every segment into one LLVM module, then O3 + JIT (or the disk cache)
     index = {b: i for i, b in enumerate(bufs.buffers.values())}
     mb = ModuleBuilder(index, bufs.threads)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from latte.compiler.fusion import describe, planner_chain
 from latte.compiler.ir import Gemm, walk
+from latte.compiler.planner import brainslug, occam
 from latte.compiler.printer import fmt_stmt, format_ir
 
 
@@ -10,11 +12,29 @@ def _dims(ens, dims) -> str:
     return ", ".join(f"dim {d} (size {ens.shape[d]})" for d in dims) or "none"
 
 
+def _locality(program) -> list[str]:
+    """Fused groups with tile heights and working sets; the planners' traffic estimates."""
+    out = [""]
+    if program.groups:
+        out.append("fused groups (tile by tile):")
+        out += describe(program.groups, program.budget)
+    elif program.opt_level >= 3:
+        out.append("fused groups: none (no chain whose tile T reads only its producer's tile T)")
+    chain = planner_chain(program.plans)
+    if len(chain) > 1 and program.budget:
+        batch, budget = program.buffers.batch_size, program.budget
+        for plan in (occam(chain, budget, batch=batch), brainslug(chain, budget, batch=batch)):
+            out.append("")
+            out.extend("  " + line for line in plan.format().splitlines())
+    return out
+
+
 def explain_program(program) -> str:
     """Per ensemble: shared dimensions, GEMM matches and the generated loops."""
     cached = program.library is not None and program.library.from_cache
     out = [f"opt_level {program.opt_level}; {len(program.buffers.buffers)} buffers; "
            f"native code {'from the disk cache' if cached else 'compiled'}"]
+    out += _locality(program)
     for plan in program.plans:
         ens = plan.ensemble
         out.append("")

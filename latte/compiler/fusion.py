@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from latte.compiler import planner
 from latte.compiler.buffers import storage_owner
 from latte.compiler.ir import Block, Kernel, Loop, walk
 from latte.compiler.mapping import tile_local
@@ -30,6 +31,7 @@ class Group:
 
     plans: list
     rows: dict          # ensemble -> tile rows
+    footprint: int      # bytes one tile of the whole group touches
 
     @property
     def name(self) -> str:
@@ -78,14 +80,14 @@ def _scale(plan) -> int:
 def _fit(chain: list, budget: int) -> list[Group]:
     """The longest prefix of ``chain`` with a tiling that is legal and fits ``budget``."""
     while len(chain) > 1:
-        rows = _rows(chain, budget)
-        if rows is not None:
-            return [Group(list(chain), rows)]
+        fit = _rows(chain, budget)
+        if fit is not None:
+            return [Group(list(chain), *fit)]
         chain = chain[:-1]
     return []
 
 
-def _rows(chain: list, budget: int) -> dict | None:
+def _rows(chain: list, budget: int) -> tuple[dict, int] | None:
     last = chain[-1].ensemble.shape[ROW_DIM]
     for r in [r for r in range(last, 0, -1) if last % r == 0]:
         tiles, sizes = last // r, [r]
@@ -102,7 +104,7 @@ def _rows(chain: list, budget: int) -> dict | None:
             for key, n in _boxes(p, s).items():
                 boxes[key] = max(boxes.get(key, 0), n)
         if sum(boxes.values()) * FLOAT_BYTES <= budget:
-            return {p.ensemble: s for p, s in zip(chain, sizes)}
+            return {p.ensemble: s for p, s in zip(chain, sizes)}, sum(boxes.values()) * FLOAT_BYTES
     return None
 
 
@@ -125,3 +127,39 @@ def merge(group: Group, phase: str) -> Kernel:
     plans = group.plans if phase == "forward" else group.plans[::-1]
     stmts = tuple(s for p in plans for s in p.kernels[phase].body.stmts)
     return replace(plans[0].kernels[phase], name=f"{group.name}.{phase}", body=Block(stmts))
+
+
+def planner_chain(plans) -> list:
+    """The net's leading chain of (channels, rows, cols) ensembles as planner layers (the
+    model :mod:`~latte.compiler.planner` estimates traffic on)."""
+    chain = []
+    for plan in plans:
+        ens = plan.ensemble
+        if len(ens.shape) != 3:
+            break
+        if isinstance(ens, ActivationEnsemble):
+            chain.append(planner.layer(ens.name, "eltwise", ens.shape))
+            continue
+        if len(plan.accesses) != 1 or plan.accesses[0].dims is None:
+            break
+        src, dims = plan.accesses[0].conn.source, plan.accesses[0].dims
+        if len(src.shape) != 3 or (chain and chain[-1].out_shape != tuple(src.shape)):
+            break
+        kind = "pool" if dims[0].lo.coef("%0") else "conv"   # a pool reads its own channel
+        row = dims[ROW_DIM]
+        chain.append(planner.layer(ens.name, kind, src.shape, out_channels=ens.shape[0],
+                                   kernel=row.length, stride=_scale(plan), pad=-row.lo.const))
+        if chain[-1].out_shape != tuple(ens.shape):   # not a square conv/pool: stop the model
+            chain.pop()
+            break
+    return chain
+
+
+def describe(groups: list[Group], budget: int) -> list[str]:
+    """``latte explain`` lines: each fused group, its tile heights and per-tile working set."""
+    out = []
+    for g in groups:
+        rows = ", ".join(f"{p.ensemble.name} {g.rows[p.ensemble]}" for p in g.plans)
+        out.append(f"  group {g.name}: tile rows {rows}; working set per tile "
+                   f"{g.footprint / 1024:.0f} KiB (budget {budget / 1024:.0f} KiB)")
+    return out
