@@ -6,7 +6,7 @@ import numpy as np
 
 from latte import NormalizationEnsemble
 
-OPT_LEVELS = (0, 1)
+OPT_LEVELS = (0, 1, 2)
 
 
 class WeightedSumLoss(NormalizationEnsemble):
