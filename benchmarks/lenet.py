@@ -47,7 +47,7 @@ def _data():
             rng.integers(0, 10, BATCH * 4))
 
 
-def latte_lenet(threads: int, profile: bool = False):
+def latte_lenet(threads: int, profile: bool = False, batch: int = BATCH):
     """LeNet in latte, compiled at the default opt level."""
     from latte import Net
     from latte.stdlib import (
@@ -59,7 +59,7 @@ def latte_lenet(threads: int, profile: bool = False):
         SoftmaxLossLayer,
     )
 
-    net = Net(BATCH, num_threads=threads, seed=0, profile=profile)
+    net = Net(batch, num_threads=threads, seed=0, profile=profile)
     data, label = ArrayDataLayer(net, _data(), shuffle=False)
     conv1 = ConvolutionLayer("conv1", net, data, 20, 5)
     pool1 = MaxPoolingLayer("pool1", net, conv1, 2)

@@ -1,9 +1,10 @@
-"""Data-parallel MLP training: 1 process x 2 threads vs ``mpiexec -n 2`` x 1 thread.
+"""Data-parallel training: 1 process x 2 threads vs ``mpiexec -n 2`` x 1 thread.
 
     python benchmarks/mpi.py [--repeat 30]
 
-The MLP of ``benchmarks/mlp.py`` (784-1024-1024-10) at a global batch of 128 (64 per rank
-under MPI). Prints the median SGD step time and throughput, and for MPI how much of the
+The MLP of ``benchmarks/mlp.py`` (784-1024-1024-10) at a global batch of 128 and the LeNet of
+``benchmarks/lenet.py`` at a global batch of 64 (half of each per rank under MPI). Prints
+the median SGD step time and throughput, and for MPI how much of the
 gradient reduction the overlap hides: 1 - (time blocked in the final Wait per step) /
 (time of the same reductions done as blocking Allreduce after backward,
 ``LATTE_MPI_OVERLAP=0``).
@@ -19,15 +20,20 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import emit, median_ms, run_worker, table, worker_args  # noqa: E402
+from lenet import latte_lenet  # noqa: E402
 from mlp import SIZES, latte_mlp  # noqa: E402
 
-GLOBAL_BATCH = 128
+NETS = {  # name: (global batch, builder(batch per rank, threads))
+    f"MLP {'-'.join(map(str, SIZES))}": (128, latte_mlp),
+    "LeNet": (64, lambda batch, threads: latte_lenet(threads, batch=batch)),
+}
 
 
-def latte_worker(threads: int, repeat: int) -> dict:
+def latte_worker(name: str, threads: int, repeat: int) -> dict:
     from latte.runtime import distributed
 
-    net = latte_mlp(GLOBAL_BATCH // distributed.world_size(), threads)
+    global_batch, build = NETS[name]
+    net = build(global_batch // distributed.world_size(), threads)
 
     def step():
         net.forward()
@@ -43,9 +49,10 @@ def latte_worker(threads: int, repeat: int) -> dict:
     return {"step": ms, "exposed": stats.get("exposed_ms_per_step")}
 
 
-def _mpi_worker(overlap: bool, repeat: int) -> dict | None:
+def _mpi_worker(name: str, overlap: bool, repeat: int) -> dict | None:
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
-    env = dict(os.environ, OMP_NUM_THREADS="1", LATTE_MPI_OVERLAP="1" if overlap else "0")
+    env = dict(os.environ, OMP_NUM_THREADS="1", LATTE_MPI_OVERLAP="1" if overlap else "0",
+               LATTE_BENCH_NET=name)
     cmd = [mpiexec, "-n", "2", sys.executable, __file__, "--worker", "latte", "--threads", "1",
            "--repeat", str(repeat)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -59,28 +66,34 @@ def _mpi_worker(overlap: bool, repeat: int) -> dict | None:
 def main() -> None:
     args = worker_args()
     if args.worker:
-        result = latte_worker(args.threads[0], args.repeat)
+        result = latte_worker(os.environ["LATTE_BENCH_NET"], args.threads[0], args.repeat)
         if int(os.environ.get("PMI_RANK", "0")) == 0:
             emit(result)
         return
-    single = run_worker(__file__, "latte", 2, ["--repeat", str(args.repeat)])
-    overlapped = _mpi_worker(True, args.repeat)
-    blocking = _mpi_worker(False, args.repeat)
+    for name in NETS:
+        os.environ["LATTE_BENCH_NET"] = name
+        single = run_worker(__file__, "latte", 2, ["--repeat", str(args.repeat)])
+        report(name, single, _mpi_worker(name, True, args.repeat),
+               _mpi_worker(name, False, args.repeat), args.repeat)
+
+
+def report(name: str, single, overlapped, blocking, repeat: int) -> None:
+    global_batch = NETS[name][0]
     rows = []
-    for name, r in (("1 rank x 2 threads", single), ("2 ranks x 1 thread, overlap", overlapped),
-                    ("2 ranks x 1 thread, blocking", blocking)):
+    for config, r in (("1 rank x 2 threads", single), ("2 ranks x 1 thread, overlap", overlapped),
+                      ("2 ranks x 1 thread, blocking", blocking)):
         if r is None:
-            rows.append([name, "-", "-", "-"])
+            rows.append([config, "-", "-", "-"])
             continue
         exposed = "" if r["exposed"] is None else f"{r['exposed']:.2f}"
-        rows.append([name, f"{r['step']:.2f}", f"{GLOBAL_BATCH / r['step'] * 1e3:,.0f}", exposed])
-    print(f"MLP {'-'.join(map(str, SIZES))}, global batch {GLOBAL_BATCH}, one SGD step, "
-          f"median of {args.repeat}")
+        rows.append([config, f"{r['step']:.2f}", f"{global_batch / r['step'] * 1e3:,.0f}", exposed])
+    print(f"{name}, global batch {global_batch}, one SGD step, median of {repeat}")
     print(table(rows, ["configuration", "step ms", "images/s", "reduction wait ms/step"]))
     if overlapped and blocking and blocking["exposed"]:
         hidden = 1 - overlapped["exposed"] / blocking["exposed"]
         print(f"communication hidden by overlap: {hidden:.0%} "
               f"({overlapped['exposed']:.2f} of {blocking['exposed']:.2f} ms/step left exposed)")
+    print()
 
 
 if __name__ == "__main__":

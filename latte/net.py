@@ -96,8 +96,15 @@ class Net(Graph):
         self._before_forward = [(e, {name: self.field(e, name) for name in e.fields})
                                 for e in self.ensembles if isinstance(e, Ensemble)
                                 and type(e).before_forward is not Ensemble.before_forward]
-        for p in self.params:   # every rank starts from rank 0's parameters
+        self.resync()   # every rank starts from rank 0's parameters
+
+    def resync(self) -> None:
+        """Under MPI, give every rank rank 0's parameters and momenta. Ranks apply the same
+        reduced gradients, but a reduction may round differently on each rank; ``solve``
+        calls this once per epoch so such differences cannot accumulate."""
+        for p in self.params:
             distributed.broadcast(p.value)
+            distributed.broadcast(p.history)
 
     def _ready(self) -> None:
         if self.program is None:

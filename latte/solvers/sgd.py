@@ -111,6 +111,7 @@ def solve(solver: SGD, net, progress=None) -> History:
                 progress("iteration", epoch=epoch, iteration=it, iterations=iters, loss=loss,
                          images=net.batch_size * distributed.world_size())
         history.epoch_seconds.append(time.perf_counter() - t0)
+        net.resync()
         acc, test_loss = _test(net)
         if acc is not None:
             history.test_accuracy.append(acc)
