@@ -78,13 +78,19 @@ def _scale(plan) -> int:
 
 
 def _fit(chain: list, budget: int) -> list[Group]:
-    """The longest prefix of ``chain`` with a tiling that is legal and fits ``budget``."""
+    """``chain`` cut into groups: from each start, the longest run with a tiling that is legal
+    and fits ``budget`` (a halo or an overflow ends a group; the next one starts after it)."""
+    groups = []
     while len(chain) > 1:
-        fit = _rows(chain, budget)
-        if fit is not None:
-            return [Group(list(chain), *fit)]
-        chain = chain[:-1]
-    return []
+        for end in range(len(chain), 1, -1):
+            fit = _rows(chain[:end], budget)
+            if fit is not None:
+                groups.append(Group(list(chain[:end]), *fit))
+                chain = chain[end:]
+                break
+        else:
+            chain = chain[1:]
+    return groups
 
 
 def _rows(chain: list, budget: int) -> tuple[dict, int] | None:

