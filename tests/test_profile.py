@@ -60,3 +60,24 @@ def test_profile_times_each_ensemble_per_phase():
     table = prof.format()
     assert "3 iterations" in table and "test-phase forward" in table
     assert all(f"  {name} " in table for name in ms)
+
+
+def test_a_fused_group_is_one_row():
+    from latte.stdlib import ConvolutionLayer, MaxPoolingLayer
+
+    rng = np.random.default_rng(0)
+    net = Net(4, num_threads=1, seed=0, profile=True)   # opt level 3: cross-layer fusion
+    data, label = ArrayDataLayer(net, (rng.standard_normal((8, 3, 16, 16)).astype(np.float32),
+                                       rng.integers(0, 3, 8)))
+    conv = ConvolutionLayer("conv", net, data, 4, 3, pad=1)
+    pool = MaxPoolingLayer("pool", net, ReLULayer("relu", net, conv), 2)
+    SoftmaxLossLayer("loss", net, FullyConnectedLayer("fc", net, pool, 3), label)
+    net.init()
+    _train(net, 2)
+    names = [g.name for g in net.program.groups]
+    ms = net.profile.ms_per_call()
+    for group in names:   # one kernel runs every member: the row names them all
+        assert ms[group]["forward"] > 0 and ms[group]["backward"] > 0
+    fused = {member for group in names for member in group.split("+")}
+    assert {"conv", "relu", "pool", "fc"} <= fused | set(ms)
+    assert not fused & set(ms)

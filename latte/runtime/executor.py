@@ -37,7 +37,10 @@ class Executor:
             self._fns[seg.name] = _SEGMENT(program.library.address(seg.name))
         self._table = ctypes.cast(memory.table, ctypes.c_void_p)
         steps = program.forward + program.backward + [program.update]
-        self._labels = {id(s): step_label(s) for s in steps} if profile is not None else {}
+        fused = {(g.plans[0 if phase == "forward" else -1].ensemble, phase): g.name
+                 for g in program.groups for phase in ("forward", "backward")}
+        self._labels = ({id(s): step_label(s, fused) for s in steps} if profile is not None
+                        else {})
 
     def _run(self, steps, valid: int) -> None:
         bufs, mem = self.program.buffers, self.memory
@@ -96,14 +99,23 @@ class Executor:
                          time.perf_counter() - start)
 
 
-def step_label(step) -> str:
+def step_label(step, fused: dict | None = None) -> str:
     """The profile row of a step: its ensembles' names in order, joined by ``+``; a kernel
-    that belongs to no ensemble (zeroing gradients, the SGD update) as ``(kernel name)``."""
+    that belongs to no ensemble (zeroing gradients, the SGD update) as ``(kernel name)``.
+
+    ``fused`` maps ``(ensemble, phase)`` of a fused group's kernel (its first member forward,
+    its last backward) to the group's name (its members joined by ``+``): one kernel runs
+    them all, so they share one row.
+    """
     if isinstance(step, HostStep):
         return step.ensemble.name
+    fused = fused or {}
     names = []
     for kernel in step.kernels:
-        name = kernel.ensemble.name if kernel.ensemble is not None else f"({kernel.name})"
+        if kernel.ensemble is None:
+            name = f"({kernel.name})"
+        else:
+            name = fused.get((kernel.ensemble, kernel.phase), kernel.ensemble.name)
         if name not in names:
             names.append(name)
     return "+".join(names)
