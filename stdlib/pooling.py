@@ -33,9 +33,8 @@ class MaxNeuron(Neuron):
         self.argmax = arg
 
     def backward(self):
-        for i in range(len(self.inputs[0])):
-            if i == self.argmax:
-                self.grad_inputs[0][i] += self.grad
+        for i in range(len(self.inputs[0])):   # branch-free: vectorizes, and a first
+            self.grad_inputs[0][i] += self.grad * (i == self.argmax)   # writer may store
 
 
 class MeanNeuron(Neuron):

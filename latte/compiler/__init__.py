@@ -134,6 +134,7 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     groups = fusion_groups(net, plans, budget) if opt_level >= 3 else []
     forced = {ens: (ROW_DIM, rows) for g in groups for ens, rows in g.rows.items()}
     pre_zeroed: set[Buffer] = set()   # gradients a GEMM overwrites need no zeroing
+    first_touch = _first_grad_touch(net, plans, bufs, dead)
     for plan in plans if opt_level >= 1 else ():
         ens = plan.ensemble
         for phase in ("forward", "backward"):
@@ -145,9 +146,8 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
             kernel = copy_windows(kernel, bufs)
             kernel = match_gemm(kernel)
             # a GEMM that first writes a zeroed buffer overwrites it (beta = 0)
-            param_grads = frozenset(bufs.field_grad(ens, f.name) for f in ens.params)
-            kernel, folded = fold_zero_init(kernel, param_grads if phase == "backward"
-                                            else frozenset())
+            zeroed = frozenset(bufs.field_grad(ens, f.name) for f in ens.params) | first_touch[ens]
+            kernel, folded = fold_zero_init(kernel, zeroed if phase == "backward" else frozenset())
             pre_zeroed |= folded
             plan.kernels[phase] = kernel
     for group in groups:
@@ -212,6 +212,19 @@ def _steps(ensembles, by_ens, phase: str, prefix: str, split: bool = False) -> l
             steps.append(HostStep(ens, phase))
     flush()
     return steps
+
+
+def _first_grad_touch(net, plans, bufs: BufferPlan, dead) -> dict:
+    """Per ensemble, the gradient buffers its backward kernel is the first to touch (in
+    backward order): they are still zero when it runs. Host steps (losses) come first."""
+    seen = set(dead) | {bufs.grad(i) for e in net.ensembles if isinstance(e, NormalizationEnsemble)
+                        for i in e.inputs}
+    out = {}
+    for plan in reversed(plans):
+        touched = {r.buffer for r in walk(plan.kernels["backward"].body) if isinstance(r, Ref)}
+        out[plan.ensemble] = frozenset(b for b in touched - seen if b.key[1] == "grad")
+        seen |= touched
+    return out
 
 
 def _check_activations(net) -> None:

@@ -297,6 +297,8 @@ def map_children(node: Node, fn: Callable[[Node], Node]) -> Node:
             new = fn(val)
         elif isinstance(val, tuple) and any(isinstance(v, Node) for v in val):
             new = tuple(fn(v) if isinstance(v, Node) else v for v in val)
+            if all(a is b for a, b in zip(new, val)):
+                continue
         else:
             continue
         if new is not val:

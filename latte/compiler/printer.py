@@ -42,7 +42,7 @@ def fmt_expr(e) -> str:
     if isinstance(e, BinOp):
         if e.op in ("max", "min"):
             return f"{e.op}({fmt_expr(e.lhs)}, {fmt_expr(e.rhs)})"
-        return f"({fmt_expr(e.lhs)} {e.op} {fmt_expr(e.rhs)})"
+        return f"({_operand(e.lhs)} {e.op} {_operand(e.rhs)})"
     if isinstance(e, UnaryOp):
         return f"-{fmt_expr(e.operand)}" if e.op == "neg" else f"not {fmt_expr(e.operand)}"
     if isinstance(e, Compare):
@@ -54,6 +54,14 @@ def fmt_expr(e) -> str:
     if isinstance(e, Select):
         return f"({fmt_expr(e.if_true)} if {fmt_expr(e.cond)} else {fmt_expr(e.if_false)})"
     return repr(e)
+
+
+def _operand(e) -> str:
+    """An arithmetic operand: affine sums and comparisons in parentheses."""
+    text = fmt_expr(e)
+    if isinstance(e, Compare) or (isinstance(e, Affine) and len(e.terms) + bool(e.const) > 1):
+        return f"({text})"
+    return text
 
 
 def fmt_stmt(s, indent: int = 0) -> list[str]:

@@ -1,7 +1,7 @@
 """Zero-init folding: the first writer of a zeroed buffer overwrites it instead.
 
 ``value`` is zero when forward starts and gradients are zeroed when backward starts. When
-the first statement touching such a buffer is a GEMM or an assignment whose writes, over
+the first statement touching such a buffer is a GEMM, an assignment or a ``+=`` whose writes, over
 their enclosing loops, cover every element exactly once (a mixed-radix check on the affine
 offsets), the zeroing is dropped and a GEMM runs with ``beta = 0``: one pass over the buffer
 saved, and the write-allocate traffic of the memset.
@@ -11,7 +11,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from latte.compiler.ir import Assign, Block, Buffer, Const, Gemm, If, Kernel, Loop, Ref, rewrite, walk
+from latte.compiler.ir import (
+    Assign,
+    AugAssign,
+    Block,
+    Buffer,
+    Const,
+    Gemm,
+    If,
+    Kernel,
+    Loop,
+    Ref,
+    rewrite,
+    walk,
+)
 
 
 def _zeroed_buffer(s) -> Buffer | None:
@@ -60,10 +73,11 @@ def _first_write(s, buf: Buffer):
         if isinstance(node, Gemm):
             off, extra = node.c_off, [(1, node.n), (node.ldc, node.m)]
             ok = node.c_buf is buf and node.beta == 1.0 and buf not in (node.a_buf, node.b_buf)
-        elif isinstance(node, Assign) and isinstance(node.target, Ref):
+        elif isinstance(node, (Assign, AugAssign)) and isinstance(node.target, Ref):
             off, extra = node.target.offset(), []
             ok = node.target.buffer is buf and not any(
-                isinstance(x, Ref) and x.buffer is buf for x in walk(node.value))
+                isinstance(x, Ref) and x.buffer is buf for x in walk(node.value)) and (
+                isinstance(node, Assign) or node.op == "+")
         else:
             return None
         loop_vars = {lp.var for lp in loops}
@@ -102,6 +116,9 @@ def fold_zero_init(kernel: Kernel, zeroed: frozenset[Buffer] = frozenset()
                 if isinstance(first, Gemm):
                     stmts[i] = rewrite(stmts[i], lambda n, g=first: replace(n, beta=0.0)
                                        if n is g else None)
+                elif isinstance(first, AugAssign):   # ``+=`` on zeros: a plain store
+                    stmts[i] = rewrite(stmts[i], lambda n, a=first: Assign(a.target, a.value)
+                                       if n is a else None)
         for b in _touched(stmts[i]):
             pending.pop(b, None)
     drop = {i for i in folded.values() if i is not None}
