@@ -121,6 +121,25 @@ def scaling_table(profiles: dict[int, dict[str, dict[str, float]]],
     return table(rows, header)
 
 
+def serve_torch_or_latte(args: argparse.Namespace, latte_worker, torch_worker) -> bool:
+    """In a worker process, run the framework asked for (``latte``, ``torch`` or ``torch-cl``)
+    and emit its result; False in the parent."""
+    if not args.worker:
+        return False
+    threads = args.threads[0]
+    if args.worker == "latte":
+        emit(latte_worker(threads, args.repeat, args.warmup))
+    else:
+        emit(torch_worker(threads, args.repeat, args.warmup, args.worker == "torch-cl"))
+    return True
+
+
+def run_frameworks(script: str, args: argparse.Namespace, frameworks) -> dict[int, dict]:
+    """Per thread count, each framework's worker result (None where it failed)."""
+    return {threads: {fw: run_worker(script, fw, threads, worker_options(args), worker_env(args))
+                      for fw in frameworks} for threads in args.threads}
+
+
 def emit(result: dict) -> None:
     print(json.dumps(result), flush=True)
 

@@ -27,16 +27,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
     OtherLoad,
-    emit,
     latte_profile,
     median_ms,
     openblas_core,
-    run_worker,
+    run_frameworks,
     scaling_table,
+    serve_torch_or_latte,
     table,
     worker_args,
-    worker_env,
-    worker_options,
 )
 
 BATCH, CHANNELS, SIZE, FILTERS = 16, 3, 224, 64
@@ -112,17 +110,10 @@ def torch_worker(threads: int, repeat: int, warmup: int, channels_last: bool) ->
 
 def main() -> None:
     args = worker_args(repeat=20)
-    if args.worker:
-        threads = args.threads[0]
-        if args.worker == "latte":
-            emit(latte_worker(threads, args.repeat, args.warmup))
-        else:
-            emit(torch_worker(threads, args.repeat, args.warmup, args.worker == "torch-cl"))
+    if serve_torch_or_latte(args, latte_worker, torch_worker):
         return
     rows, profiles, load = [], {}, OtherLoad()
-    for threads in args.threads:
-        res = {fw: run_worker(__file__, fw, threads, worker_options(args), worker_env(args))
-               for fw in FRAMEWORKS}
+    for threads, res in run_frameworks(__file__, args, FRAMEWORKS).items():
         base = res["latte"]
         if base:
             profiles[threads] = base["layers"]

@@ -9,6 +9,7 @@ import functools
 import os
 import re
 import runpy
+import socket
 import sys
 import time
 import traceback
@@ -61,6 +62,11 @@ def _on_every_rank(args: argparse.Namespace, script: str) -> int:
     """Under ``mpiexec``: run as one rank; a failing rank names itself (see :func:`_fail`)
     and takes the job down with ``Abort``, so no other rank hangs in a reduction."""
     rank = distributed.rank()   # initializes MPI before the script runs
+    # mpiexec names a killed rank by its PID only: say which PID is which rank
+    where = distributed.comm().allgather(f"{rank}={os.getpid()}@{socket.gethostname()}")
+    if rank == 0:
+        print(f"latte: {len(where)} ranks (rank=pid@host): {' '.join(where)}", file=sys.stderr,
+              flush=True)
     status = _act(args, script)
     if status != 0:
         print(f"latte: rank {rank} exits with status {status}: stopping every rank",

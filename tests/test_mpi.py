@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -133,3 +134,6 @@ def test_killed_rank_does_not_hang_the_job(tmp_path):
                           capture_output=True, text=True, env=env, timeout=30)
     assert proc.returncode != 0
     assert time.perf_counter() - t0 < 20
+    # mpiexec names the dead process by PID; latte's first line maps PIDs to ranks
+    pid = re.search(r"PID (\d+)", proc.stdout + proc.stderr).group(1)
+    assert re.search(rf"\b1={pid}@", proc.stderr), proc.stderr

@@ -87,7 +87,7 @@ class Program:
     buffers: BufferPlan
     forward: list
     backward: list
-    update: Segment
+    update: list          # SGD update segments (one per parameter when split)
     params: list[tuple[Ensemble, str]]
     plans: list[EnsemblePlan]
     opt_level: int
@@ -173,7 +173,9 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
         backward[0] = Segment(backward[0].name, (zero, *backward[0].kernels))
     else:
         backward.insert(0, Segment("bwd_zero", (zero,)))
-    update = Segment("update", (parallelize(_update_kernel(params, bufs), bufs),))
+    kernels = [parallelize(k, bufs) for k in _update_kernels(params, bufs)]
+    update = ([Segment(f"update{p}", (k,)) for p, k in enumerate(kernels)] if split_segments
+              else [Segment("update", tuple(kernels))])
     program = Program(bufs, forward, backward, update, params, plans, opt_level, groups=groups,
                       budget=budget)
     # codegen: every segment into one LLVM module, then O3 + JIT (or the disk cache)
@@ -188,7 +190,7 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
 
 
 def _segments(program: Program):
-    return [s for s in program.forward + program.backward if isinstance(s, Segment)] + [program.update]
+    return [s for s in program.forward + program.backward if isinstance(s, Segment)] + program.update
 
 
 def _steps(ensembles, by_ens, phase: str, prefix: str, split: bool = False) -> list:
@@ -260,13 +262,12 @@ def _zero_grads(net, bufs: BufferPlan, dead) -> Block:
     return Block(tuple(zero_loop(g, f"_z{i}") for i, g in enumerate(grads)))
 
 
-def _update_kernel(params, bufs: BufferPlan) -> Kernel:
-    """SGD with momentum: ``hist = mom*hist + lr*(grad + decay*param); param -= hist``.
-
-    The runtime writes ``lr``, ``mom`` and ``decay`` per parameter into the scalar buffer.
-    """
+def _update_kernels(params, bufs: BufferPlan) -> list[Kernel]:
+    """Per parameter, SGD with momentum: ``hist = mom*hist + lr*(grad + decay*param);
+    param -= hist``. The runtime writes ``lr``, ``mom`` and ``decay`` per parameter into the
+    scalar buffer."""
     scal = bufs.scalars(3 * len(params))
-    stmts = []
+    kernels = []
     for p, (ens, name) in enumerate(params):
         val, grad, hist = bufs.field(ens, name), bufs.field_grad(ens, name), bufs.history(ens, name)
         i = Affine.of(f"_u{p}")
@@ -274,9 +275,9 @@ def _update_kernel(params, bufs: BufferPlan) -> Kernel:
         lr, mom, decay = (Load(Ref(scal, (Affine((), 3 * p + j),), scal.shape)) for j in range(3))
         new_hist = BinOp("+", BinOp("*", mom, Load(h)),
                          BinOp("*", lr, BinOp("+", Load(g), BinOp("*", decay, Load(v)))))
-        stmts.append(Loop(f"_u{p}", 0, val.size, Block((Assign(h, new_hist),
-                                                        AugAssign(v, "-", Load(h))))))
-    return Kernel("sgd_update", Block(tuple(stmts)), None, "update")
+        loop = Loop(f"_u{p}", 0, val.size, Block((Assign(h, new_hist), AugAssign(v, "-", Load(h)))))
+        kernels.append(Kernel("sgd_update", Block((loop,)), None, "update"))
+    return kernels
 
 
 __all__ = ["Program", "Segment", "HostStep", "EnsemblePlan", "compile_net", "format_ir",

@@ -84,48 +84,57 @@ class Communicator:
 
     ``start`` posts an in-place ``Iallreduce`` per gradient as soon as its ensemble's
     backward has produced it; ``progress`` tests the pending requests (MPICH progresses
-    only inside MPI calls); ``wait_all`` completes them just before the update. With
-    ``overlap=False`` every reduction is a blocking ``Allreduce`` inside ``wait_all`` (the
-    baseline ``stats`` compare against).
+    only inside MPI calls); ``wait`` completes a parameter's reductions just before its
+    update. With ``overlap=False`` every reduction is a blocking ``Allreduce`` inside
+    ``wait`` (the baseline ``stats`` compare against).
     """
 
     def __init__(self, overlap: bool = True):
         self.comm = comm()
         self.overlap = overlap
-        self._pending: list = []      # requests in flight
-        self._deferred: list[np.ndarray] = []   # gradients to reduce in wait_all
-        self.wait_seconds = 0.0       # time spent blocked in wait_all
+        self._pending: dict[int, tuple] = {}   # id(gradient) -> (gradient, request or None)
+        self.wait_seconds = 0.0       # time spent blocked waiting for reductions
         self.steps = 0
 
     def start(self, grads: list[np.ndarray]) -> None:
         """Begin summing ``grads`` (in place) over ranks."""
-        if not self.overlap:
-            self._deferred += grads
-            return
         from mpi4py import MPI  # noqa: PLC0415
 
         for g in grads:
-            self._pending.append(self.comm.Iallreduce(MPI.IN_PLACE, g.reshape(-1)))
+            req = self.comm.Iallreduce(MPI.IN_PLACE, g.reshape(-1)) if self.overlap else None
+            self._pending[id(g)] = (g, req)
 
     def progress(self) -> None:
         """Let the pending reductions advance."""
-        if self._pending:
+        reqs = [r for _, r in self._pending.values() if r is not None]
+        if reqs:
             from mpi4py import MPI  # noqa: PLC0415
 
-            MPI.Request.Testall(self._pending)
+            MPI.Request.Testall(reqs)
 
-    def wait_all(self) -> None:
-        """Finish every reduction started since the last call."""
-        if not (self._pending or self._deferred):
-            return
+    def wait(self, grads: list[np.ndarray]) -> None:
+        """Finish the reductions of ``grads`` (blocking ones happen here)."""
         from mpi4py import MPI  # noqa: PLC0415
 
         t0 = time.perf_counter()
-        MPI.Request.Waitall(self._pending)
-        for g in self._deferred:
-            self.comm.Allreduce(MPI.IN_PLACE, g.reshape(-1))
+        for g in grads:
+            entry = self._pending.pop(id(g), None)
+            if entry is None:
+                continue
+            if entry[1] is None:
+                self.comm.Allreduce(MPI.IN_PLACE, g.reshape(-1))
+            else:
+                entry[1].Wait()
         self.wait_seconds += time.perf_counter() - t0
-        self._pending, self._deferred = [], []
+
+    def wait_all(self) -> None:
+        """Finish every reduction still in flight."""
+        if self._pending:
+            self.wait([g for g, _ in self._pending.values()])
+
+    def end_step(self) -> None:
+        """Close a training step: nothing may stay in flight."""
+        self.wait_all()
         self.steps += 1
 
     @property

@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from latte.compiler import HostStep, Program, Segment
-from latte.compiler.ir import Buffer, walk
+from latte.compiler.ir import Buffer, Ref, walk
 from latte.runtime.distributed import Communicator
 from latte.runtime.memory import Memory
 from latte.runtime.profile import Profile
@@ -31,12 +31,14 @@ class Executor:
                  profile: Profile | None = None):
         self.program, self.memory, self.comm, self.profile = program, memory, comm, profile
         self._ready_grads = _ready_grads(program, memory) if comm is not None else {}
+        self._update_grads = {s.name: [memory[b] for b in _param_grads(s, program)]
+                              for s in program.update}
         self._fns = {}
         segments = [s for s in program.forward + program.backward if isinstance(s, Segment)]
-        for seg in segments + [program.update]:
+        for seg in segments + program.update:
             self._fns[seg.name] = _SEGMENT(program.library.address(seg.name))
         self._table = ctypes.cast(memory.table, ctypes.c_void_p)
-        steps = program.forward + program.backward + [program.update]
+        steps = program.forward + program.backward + program.update
         fused = {(g.plans[0 if phase == "forward" else -1].ensemble, phase): g.name
                  for g in program.groups for phase in ("forward", "backward")}
         self._labels = ({id(s): step_label(s, fused) for s in steps} if profile is not None
@@ -87,16 +89,19 @@ class Executor:
             self._run_profiled(self.program.backward, valid, "backward")
 
     def update(self) -> None:
+        """Each update segment runs once its parameters' reductions are done: under MPI the
+        later reductions keep going while the earlier parameters update."""
+        for seg in self.program.update:
+            if self.comm is not None:
+                self.comm.wait(self._update_grads[seg.name])
+            start = time.perf_counter()
+            self._fns[seg.name](self._table)
+            if self.profile is not None:
+                self.profile.add(self._labels[id(seg)], "update", time.perf_counter() - start)
         if self.comm is not None:
-            self.comm.wait_all()
-        if self.profile is None:
-            self._fns[self.program.update.name](self._table)
-            return
-        start = time.perf_counter()
-        self._fns[self.program.update.name](self._table)
-        self.profile.count("update")
-        self.profile.add(self._labels[id(self.program.update)], "update",
-                         time.perf_counter() - start)
+            self.comm.end_step()
+        if self.profile is not None:
+            self.profile.count("update")
 
 
 def step_label(step, fused: dict | None = None) -> str:
@@ -119,6 +124,13 @@ def step_label(step, fused: dict | None = None) -> str:
         if name not in names:
             names.append(name)
     return "+".join(names)
+
+
+def _param_grads(segment: Segment, program: Program) -> list:
+    """The parameter gradient buffers ``segment`` reads."""
+    grads = {program.buffers.field_grad(ens, name) for ens, name in program.params}
+    return sorted({r.buffer for k in segment.kernels for r in walk(k.body)
+                   if isinstance(r, Ref) and r.buffer in grads}, key=lambda b: b.name)
 
 
 def _ready_grads(program: Program, memory: Memory) -> dict[str, list[np.ndarray]]:
