@@ -1,7 +1,9 @@
 """Cross-layer fusion (paper 5.4.2, figures 10-12): chains of ensembles that run tile by tile.
 
-A group is a chain ``producer -> consumer -> ...`` in which each consumer is the only reader
-of its producer and tile ``T`` of the consumer reads only tile ``T`` of the producer: isl
+Occam's dynamic program (:mod:`~latte.compiler.planner`) proposes where to cut the net's
+chain of row-tiled layers. Within its spans, a group is a chain ``producer -> consumer -> ...``
+in which each consumer is the only reader of its producer and tile ``T`` of the consumer
+reads only tile ``T`` of the producer: isl
 decides this on the access relation (:func:`~latte.compiler.mapping.tile_local`). Tile
 heights are scaled by the strides along the chain (a 2x2 stride-2 pool after a conv doubles
 the conv's tile, figure 11), and the group's largest tile whose working set fits the cache
@@ -39,10 +41,15 @@ class Group:
 
 
 def fusion_groups(net, plans, budget: int) -> list[Group]:
-    """The fused groups of ``net`` (only groups of two or more ensembles)."""
+    """The fused groups of ``net`` (only groups of two or more ensembles). Chains are cut
+    where Occam's dynamic program over the net's conv/pool chain puts a partition boundary
+    (least off-chip traffic under ``budget``), then where isl finds a halo."""
+    layers = planner_chain(plans)
+    spans = planner.occam(layers, budget, batch=net.batch_size).groups if len(layers) > 1 else []
+    cuts = {plans[j + 1].ensemble for _, j in spans if j + 1 < len(plans)}
     groups, chain = [], []
     for plan in plans:
-        if chain and _consumes(net, chain[-1], plan):
+        if chain and plan.ensemble not in cuts and _consumes(net, chain[-1], plan):
             chain.append(plan)
             continue
         groups += _fit(chain, budget)
