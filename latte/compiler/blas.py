@@ -9,14 +9,14 @@ import os
 
 @functools.lru_cache(maxsize=None)
 def blas() -> ctypes.CDLL:
-    import scipy_openblas32
-
-    path = os.path.join(scipy_openblas32.get_lib_dir(), f"lib{scipy_openblas32.get_library()}.so")
     # start with no worker threads (they would idle against latte's own); set_blas_threads
-    # grows the pool where sgemm itself should be threaded
+    # grows the pool where sgemm itself should be threaded. Importing the wheel loads it.
     saved = os.environ.get("OPENBLAS_NUM_THREADS")
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
     try:
+        import scipy_openblas32
+
+        path = os.path.join(scipy_openblas32.get_lib_dir(), f"lib{scipy_openblas32.get_library()}.so")
         return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     finally:
         if saved is None:
