@@ -359,3 +359,31 @@ def test_fused_tiles_compute_what_unfused_code_computes(monkeypatch):
 
     net = _compare(block, threads=2)
     assert _fused_kernels(net) == ["conv+relu+pool+mean.forward", "conv+relu+pool+mean.backward"]
+
+
+def test_conv_after_conv_fuses_with_a_skewed_schedule(monkeypatch):
+    """A VGG block (conv, ReLU, conv, ReLU, pool): the second conv reads a halo of the
+    first's rows, so it runs one tile behind (one ahead in backward); forward and backward
+    equal plain loops with several tiles and two threads."""
+    _set_l2(monkeypatch, SMALL_L2)
+
+    @_net(batch=2)
+    def vgg_block(net):
+        x = MemoryDataLayer(net, "x", (3, 32, 32))
+        c1 = ConvolutionLayer("conv1", net, x, 8, 3, pad=1)
+        r1 = ReLULayer("relu1", net, c1)
+        c2 = ConvolutionLayer("conv2", net, r1, 8, 3, pad=1)
+        r2 = ReLULayer("relu2", net, c2)
+        pool = MaxPoolingLayer("pool", net, r2, 2)
+        WeightedSumLoss(net, "loss", pool)
+        return x, None
+
+    net = _compare(vgg_block, threads=2)
+    name = "conv1+relu1+conv2+relu2+pool"
+    assert _fused_kernels(net) == [f"{name}.forward", f"{name}.backward"]
+    for kernel in _live(net).values():
+        (tile,) = _loops(kernel, LoopKind.TILE_OUTER)
+        assert dict(tile.meta)["skew"] == 1
+        assert 1 < tile.extent - 1 < 32   # several tiles, plus the one of skew
+        outer = [n for n in walk(kernel.body) if isinstance(n, Loop) and n.kind is LoopKind.PARALLEL]
+        assert outer and all(dict(n.meta)["collapse"] == 1 for n in outer if n.axis is not None)

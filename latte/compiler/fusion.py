@@ -10,7 +10,11 @@ the conv's tile, figure 11), and the group's largest tile whose working set fits
 budget wins. The members' kernels are then concatenated (forward in order, backward in
 reverse) and :func:`~latte.compiler.passes.fuse_nests` fuses their tile loops.
 
-Consumers that need rows of the next tile too (a 3x3 conv after a conv: a halo) end a group.
+A consumer that also reads rows of the neighbouring producer tiles (a 3x3 conv after a
+conv: a halo no taller than a tile) joins the group with a skewed schedule: it runs one tile
+behind its producer in forward (its producer one tile behind it in backward, where its
+input gradient spills into the neighbouring tiles), so nothing is recomputed and the
+producer's rows are still in cache when the consumer reads them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,20 @@ from dataclasses import dataclass, replace
 
 from latte.compiler import planner
 from latte.compiler.buffers import storage_owner
-from latte.compiler.ir import Block, Kernel, Loop, walk
+from latte.compiler.ir import (
+    Affine,
+    Block,
+    BoolOp,
+    Compare,
+    Const,
+    If,
+    Kernel,
+    Loop,
+    LoopKind,
+    Var,
+    rewrite,
+    walk,
+)
 from latte.compiler.mapping import tile_local
 from latte.compiler.passes.tiling import FLOAT_BYTES, ensemble_chain, is_batch_loop, tile_boxes
 from latte.lang import ActivationEnsemble, NormalizationEnsemble
@@ -34,6 +51,13 @@ class Group:
     plans: list
     rows: dict          # ensemble -> tile rows
     footprint: int      # bytes one tile of the whole group touches
+    links: tuple = ()   # per member after the first: 1 where it reads its producer's halo
+
+    def lag(self, plan, phase: str) -> int:
+        """Tiles ``plan`` runs behind the group's leader: a consumer that reads the next
+        producer tile's rows waits one tile in forward; in backward its producer waits."""
+        k = self.plans.index(plan)
+        return sum(self.links[:k]) if phase == "forward" else sum(self.links[k:])
 
     @property
     def name(self) -> str:
@@ -100,7 +124,7 @@ def _fit(chain: list, budget: int) -> list[Group]:
     return groups
 
 
-def _rows(chain: list, budget: int) -> tuple[dict, int] | None:
+def _rows(chain: list, budget: int) -> tuple[dict, int, tuple] | None:
     last = chain[-1].ensemble.shape[ROW_DIM]
     for r in [r for r in range(last, 0, -1) if last % r == 0]:
         tiles, sizes = last // r, [r]
@@ -108,16 +132,32 @@ def _rows(chain: list, budget: int) -> tuple[dict, int] | None:
             sizes.insert(0, sizes[0] * _scale(plan))
         if any(p.ensemble.shape[ROW_DIM] != s * tiles for p, s in zip(chain, sizes)):
             continue
-        if not all(isinstance(p.ensemble, ActivationEnsemble)
-                   or tile_local(p.accesses[0], ROW_DIM, s, ROW_DIM, s_prev, tiles)
-                   for p, s, s_prev in zip(chain[1:], sizes[1:], sizes)):
+        links = tuple(_link(p, s, s_prev, tiles) for p, s, s_prev in zip(chain[1:], sizes[1:], sizes))
+        if None in links:
             continue
         boxes: dict = {}
+        own = []
         for p, s in zip(chain, sizes):
-            for key, n in _boxes(p, s).items():
+            mine = _boxes(p, s)
+            own.append(sum(mine.values()) * FLOAT_BYTES)
+            for key, n in mine.items():
                 boxes[key] = max(boxes.get(key, 0), n)
-        if sum(boxes.values()) * FLOAT_BYTES <= budget:
-            return {p.ensemble: s for p, s in zip(chain, sizes)}, sum(boxes.values()) * FLOAT_BYTES
+        total = sum(boxes.values()) * FLOAT_BYTES
+        # the smallest tile may overflow only by what one member overflows on its own
+        if total <= budget or (r == 1 and total - max(own) <= budget):
+            return {p.ensemble: s for p, s in zip(chain, sizes)}, total, links
+    return None
+
+
+def _link(plan, rows: int, producer_rows: int, tiles: int) -> int | None:
+    """0 if tile T of ``plan`` reads only its producer's tile T; 1 if it also reads rows of
+    the neighbouring tiles (a halo no taller than a tile: the schedule is then skewed by one
+    tile, and nothing is recomputed); None otherwise."""
+    if isinstance(plan.ensemble, ActivationEnsemble):
+        return 0
+    for lag in (0, 1):
+        if tile_local(plan.accesses[0], ROW_DIM, rows, ROW_DIM, producer_rows, tiles, lag):
+            return lag
     return None
 
 
@@ -136,10 +176,53 @@ def _boxes(plan, rows: int) -> dict:
 
 
 def merge(group: Group, phase: str) -> Kernel:
-    """The members' kernels of ``phase`` as one kernel (backward runs in reverse order)."""
+    """The members' kernels of ``phase`` as one kernel (backward runs in reverse order). With
+    a halo link the members' tile loops become one, skewed: iteration ``t`` runs tile
+    ``t - lag`` of each member (see :meth:`Group.lag`), so a consumer's rows are complete."""
     plans = group.plans if phase == "forward" else group.plans[::-1]
-    stmts = tuple(s for p in plans for s in p.kernels[phase].body.stmts)
-    return replace(plans[0].kernels[phase], name=f"{group.name}.{phase}", body=Block(stmts))
+    first = plans[0].kernels[phase]
+    name = f"{group.name}.{phase}"
+    if not any(group.links):
+        stmts = tuple(s for p in plans for s in p.kernels[phase].body.stmts)
+        return replace(first, name=name, body=Block(stmts))
+    lags = [group.lag(p, phase) for p in plans]
+    nests = [(lag, s) for p, lag in zip(plans, lags) for s in p.kernels[phase].body.stmts
+             if _tile_nest(s)]
+    others = tuple(s for p in plans for s in p.kernels[phase].body.stmts if not _tile_nest(s))
+    batch, tile = nests[0][1], nests[0][1].body.stmts[0]
+    skew = max(lags)
+    body: list = []
+    for lag, nest in nests:
+        t = nest.body.stmts[0]
+        shift = {nest.var: Affine.of(batch.var), t.var: Affine.of(tile.var) - lag}
+        inner = rewrite(t.body, lambda n, m=shift: _substitute(n, m))
+        cond = [Compare("<", Var(tile.var), Const(t.extent + lag))]
+        if lag:
+            cond.insert(0, Compare(">=", Var(tile.var), Const(lag)))
+        cond = cond[0] if len(cond) == 1 else BoolOp("and", tuple(cond))
+        if body and body[-1].cond == cond:   # one guard per run of equally lagged nests
+            body[-1] = If(cond, Block(body[-1].then.stmts + inner.stmts))
+        else:
+            body.append(If(cond, inner))
+    fused = replace(tile, stop=tile.extent + skew, body=Block(tuple(body)),
+                    meta=tile.meta + (("skew", skew),))
+    nest = replace(batch, body=Block((fused,)))
+    return replace(first, name=name, body=Block((*others, nest)))
+
+
+def _tile_nest(s) -> bool:
+    return (is_batch_loop(s) and len(s.body.stmts) == 1 and isinstance(s.body.stmts[0], Loop)
+            and s.body.stmts[0].kind is LoopKind.TILE_OUTER)
+
+
+def _substitute(node, mapping: dict):
+    if isinstance(node, Affine) and node.vars & mapping.keys():
+        for v, a in mapping.items():
+            node = node.substitute(v, a)
+        return node
+    if isinstance(node, Var) and node.name in mapping:
+        return mapping[node.name]
+    return None
 
 
 def planner_chain(plans) -> list:

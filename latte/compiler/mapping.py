@@ -231,11 +231,11 @@ def fit_index_map(ens, field) -> tuple[Affine, ...]:
 
 
 def tile_local(access: ConnAccess, sink_dim: int, sink_rows: int, src_dim: int, src_rows: int,
-               tiles: int) -> bool:
+               tiles: int, lag: int = 0) -> bool:
     """Does tile ``T`` of the sink (rows ``[T*sink_rows, (T+1)*sink_rows)`` of ``sink_dim``)
-    read only tile ``T`` of the source (rows ``[T*src_rows, (T+1)*src_rows)`` of ``src_dim``),
-    for every ``0 <= T < tiles``? Decided by isl on the access relation, with ``T`` as a
-    parameter; reads of padding fall outside every tile, so they make the answer no."""
+    read only tiles ``T-lag .. T+lag`` of the source (``src_rows`` rows each along
+    ``src_dim``), for every ``0 <= T < tiles``? Decided by isl on the access relation, with
+    ``T`` as a parameter. With ``lag = 0``, padding falls outside every tile: the answer is no."""
     if access.dims is None:
         return False
     rel = access.relation
@@ -245,7 +245,7 @@ def tile_local(access: ConnAccess, sink_dim: int, sink_rows: int, src_dim: int, 
     s = [f"s{j}" for j in range(n_out)]
     tile = isl.Set(f"[T] -> {{ [{', '.join(d)}] : 0 <= T < {tiles} and "
                    f"T*{sink_rows} <= d{sink_dim} < T*{sink_rows} + {sink_rows} }}")
-    allowed = isl.Set(f"[T] -> {{ [{', '.join(s)}] : "
-                      f"T*{src_rows} <= s{src_dim} < T*{src_rows} + {src_rows} }}")
+    allowed = isl.Set(f"[T] -> {{ [{', '.join(s)}] : (T - {lag})*{src_rows} <= s{src_dim} "
+                      f"< (T + {lag + 1})*{src_rows} }}")
     reads = rel.align_params(tile.get_space()).intersect_domain(tile).range()
     return reads.is_subset(allowed.align_params(reads.get_space()))

@@ -108,7 +108,8 @@ def _batch_nest(nest: Loop, bufs) -> list:
         return [nest]
     collapse = 1
     inner = nest.body.stmts[0] if len(nest.body.stmts) == 1 else None
-    if isinstance(inner, Loop) and inner.kind is LoopKind.TILE_OUTER and all(
+    skewed = isinstance(inner, Loop) and dict(inner.meta).get("skew")   # tiles depend on earlier ones
+    if isinstance(inner, Loop) and inner.kind is LoopKind.TILE_OUTER and not skewed and all(
             _disjoint_tiles(off, span, inner.var, extents)
             for buf, _, off, span in _writes(inner) if buf not in private and not _is_scratch(buf)):
         collapse = 2
