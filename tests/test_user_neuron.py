@@ -294,25 +294,30 @@ def test_convolution_with_shared_filters(opt_level, stride, pad):
     check_gradients(net, [x])
 
 
-class MaxNeuron(Neuron):
-    """Max over a window; the arg-max is per batch item state (a ``Batch`` field)."""
+class MinAbsNeuron(Neuron):
+    """The window entry of least magnitude; its position is per batch item state (a ``Batch``
+    field), and backward sends the gradient there with the entry's sign. (Unlike the stdlib's
+    max-pool, the branch lives in backward.)"""
 
-    argmax: Batch
+    argmin: Batch
 
     def forward(self):
-        best = self.inputs[0][0]
+        best = abs(self.inputs[0][0])
         arg = 0
         for i in range(len(self.inputs[0])):
-            if self.inputs[0][i] > best:
-                best = self.inputs[0][i]
+            if abs(self.inputs[0][i]) < best:
+                best = abs(self.inputs[0][i])
                 arg = i
         self.value = best
-        self.argmax = arg
+        self.argmin = arg
 
     def backward(self):
         for i in range(len(self.inputs[0])):
-            if i == self.argmax:
-                self.grad_inputs[0][i] += self.grad
+            if i == self.argmin:
+                if self.inputs[0][i] < 0.0:
+                    self.grad_inputs[0][i] += -self.grad
+                else:
+                    self.grad_inputs[0][i] += self.grad
 
 
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
@@ -320,15 +325,16 @@ def test_batch_field_holds_per_item_state(opt_level):
     rng = np.random.default_rng(17)
     net = Net(BATCH, opt_level=opt_level)
     x = MemoryDataLayer(net, "x", (2, 6))
-    pool = Ensemble(net, "pool", MaxNeuron, (2, 3), argmax=np.zeros((2, 3), np.float32))
+    pool = Ensemble(net, "pool", MinAbsNeuron, (2, 3), argmin=np.zeros((2, 3), np.float32))
     add_connections(net, x, pool, lambda c, i: (c, range(2 * i, 2 * i + 2)))
     loss = WeightedSumLoss(net, "loss", pool)
     net.init()
     xv = fill(net, x, rng)
     net.forward()
     windows = xv.reshape(BATCH, 2, 3, 2)
-    np.testing.assert_array_equal(net.value(pool), windows.max(-1))
+    mags = np.abs(windows)
+    np.testing.assert_array_equal(net.value(pool), mags.min(-1))
     net.backward()
-    ref = (windows == windows.max(-1, keepdims=True)) * loss.w[..., None]
+    ref = (mags == mags.min(-1, keepdims=True)) * np.sign(windows) * loss.w[..., None]
     np.testing.assert_allclose(net.grad(x), ref.reshape(BATCH, 2, 6), rtol=1e-6)
     check_gradients(net, [x])
