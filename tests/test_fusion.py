@@ -387,3 +387,17 @@ def test_conv_after_conv_fuses_with_a_skewed_schedule(monkeypatch):
         assert 1 < tile.extent - 1 < 32   # several tiles, plus the one of skew
         outer = [n for n in walk(kernel.body) if isinstance(n, Loop) and n.kind is LoopKind.PARALLEL]
         assert outer and all(dict(n.meta)["collapse"] == 1 for n in outer if n.axis is not None)
+
+
+def test_halos_end_groups_when_the_batch_cannot_feed_the_threads(monkeypatch):
+    """Skewed tiles run in order; with one item and two threads, tile parallelism wins."""
+    _set_l2(monkeypatch, SMALL_L2)
+    net = Net(1, opt_level=3, num_threads=2, seed=0)
+    x = MemoryDataLayer(net, "x", (3, 32, 32))
+    c1 = ConvolutionLayer("conv1", net, x, 8, 3, pad=1)
+    c2 = ConvolutionLayer("conv2", net, ReLULayer("relu1", net, c1), 8, 3, pad=1)
+    MaxPoolingLayer("pool", net, ReLULayer("relu2", net, c2), 2)
+    net.init()
+    assert [g.name for g in net.program.groups] == ["conv1+relu1", "conv2+relu2+pool"]
+    for kernel in _live(net).values():
+        assert all("skew" not in dict(t.meta) for t in _loops(kernel, LoopKind.TILE_OUTER))

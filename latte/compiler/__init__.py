@@ -131,7 +131,7 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
             # split neuron bodies into perfect nests
             plan.kernels[phase] = distribute_loops(kernel) if opt_level >= 1 else kernel
     # cross-layer fusion: chains whose tile T reads only the producer's tile T (isl)
-    groups = fusion_groups(net, plans, budget) if opt_level >= 3 else []
+    groups = fusion_groups(net, plans, budget, bufs.threads) if opt_level >= 3 else []
     forced = {ens: (ROW_DIM, rows) for g in groups for ens, rows in g.rows.items()}
     pre_zeroed: set[Buffer] = set()   # gradients a GEMM overwrites need no zeroing
     first_touch = _first_grad_touch(net, plans, bufs, dead)

@@ -64,10 +64,13 @@ class Group:
         return "+".join(p.ensemble.name for p in self.plans)
 
 
-def fusion_groups(net, plans, budget: int) -> list[Group]:
+def fusion_groups(net, plans, budget: int, threads: int = 1) -> list[Group]:
     """The fused groups of ``net`` (only groups of two or more ensembles). Chains are cut
     where Occam's dynamic program over the net's conv/pool chain puts a partition boundary
-    (least off-chip traffic under ``budget``), then where isl finds a halo."""
+    (least off-chip traffic under ``budget``), then where isl finds a halo that cannot be
+    skewed. A skewed group runs its tiles in order, so only the batch is left to share among
+    ``threads``: with fewer items than threads, halos end groups instead."""
+    max_lag = 1 if net.batch_size >= threads else 0
     layers = planner_chain(plans)
     spans = planner.occam(layers, budget, batch=net.batch_size).groups if len(layers) > 1 else []
     cuts = {plans[j + 1].ensemble for _, j in spans if j + 1 < len(plans)}
@@ -76,9 +79,9 @@ def fusion_groups(net, plans, budget: int) -> list[Group]:
         if chain and plan.ensemble not in cuts and _consumes(net, chain[-1], plan):
             chain.append(plan)
             continue
-        groups += _fit(chain, budget)
+        groups += _fit(chain, budget, max_lag)
         chain = [plan] if _tileable(plan) else []
-    return groups + _fit(chain, budget)
+    return groups + _fit(chain, budget, max_lag)
 
 
 def _tileable(plan) -> bool:
@@ -108,13 +111,13 @@ def _scale(plan) -> int:
     return abs(plan.accesses[0].dims[ROW_DIM].lo.coef(f"%{ROW_DIM}")) or 1
 
 
-def _fit(chain: list, budget: int) -> list[Group]:
+def _fit(chain: list, budget: int, max_lag: int) -> list[Group]:
     """``chain`` cut into groups: from each start, the longest run with a tiling that is legal
     and fits ``budget`` (a halo or an overflow ends a group; the next one starts after it)."""
     groups = []
     while len(chain) > 1:
         for end in range(len(chain), 1, -1):
-            fit = _rows(chain[:end], budget)
+            fit = _rows(chain[:end], budget, max_lag)
             if fit is not None:
                 groups.append(Group(list(chain[:end]), *fit))
                 chain = chain[end:]
@@ -124,7 +127,7 @@ def _fit(chain: list, budget: int) -> list[Group]:
     return groups
 
 
-def _rows(chain: list, budget: int) -> tuple[dict, int, tuple] | None:
+def _rows(chain: list, budget: int, max_lag: int) -> tuple[dict, int, tuple] | None:
     last = chain[-1].ensemble.shape[ROW_DIM]
     for r in [r for r in range(last, 0, -1) if last % r == 0]:
         tiles, sizes = last // r, [r]
@@ -132,7 +135,8 @@ def _rows(chain: list, budget: int) -> tuple[dict, int, tuple] | None:
             sizes.insert(0, sizes[0] * _scale(plan))
         if any(p.ensemble.shape[ROW_DIM] != s * tiles for p, s in zip(chain, sizes)):
             continue
-        links = tuple(_link(p, s, s_prev, tiles) for p, s, s_prev in zip(chain[1:], sizes[1:], sizes))
+        links = tuple(_link(p, s, s_prev, tiles, max_lag)
+                      for p, s, s_prev in zip(chain[1:], sizes[1:], sizes))
         if None in links:
             continue
         boxes: dict = {}
@@ -149,13 +153,13 @@ def _rows(chain: list, budget: int) -> tuple[dict, int, tuple] | None:
     return None
 
 
-def _link(plan, rows: int, producer_rows: int, tiles: int) -> int | None:
+def _link(plan, rows: int, producer_rows: int, tiles: int, max_lag: int) -> int | None:
     """0 if tile T of ``plan`` reads only its producer's tile T; 1 if it also reads rows of
     the neighbouring tiles (a halo no taller than a tile: the schedule is then skewed by one
     tile, and nothing is recomputed); None otherwise."""
     if isinstance(plan.ensemble, ActivationEnsemble):
         return 0
-    for lag in (0, 1):
+    for lag in range(max_lag + 1):
         if tile_local(plan.accesses[0], ROW_DIM, rows, ROW_DIM, producer_rows, tiles, lag):
             return lag
     return None
