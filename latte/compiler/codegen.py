@@ -32,6 +32,7 @@ from latte.compiler.ir import (
     Select,
     UnaryOp,
     Var,
+    accesses,
     walk,
 )
 from latte.errors import CompileError
@@ -70,8 +71,8 @@ class ModuleBuilder:
         seg = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR.as_pointer()]), name)
         builder = ir.IRBuilder(seg.append_basic_block("entry"))
         for kernel in kernels:
-            bufs = sorted({r.buffer for r in walk(kernel.body) if isinstance(r, Ref)}
-                          | _gemm_buffers(kernel.body), key=lambda b: self.buffer_index[b])
+            bufs = sorted({a.buffer for a in accesses(kernel.body)},
+                          key=lambda b: self.buffer_index[b])
             fn = self._kernel(kernel, bufs)
             args = []
             for b in bufs:
@@ -97,10 +98,6 @@ class ModuleBuilder:
         for arg, n in zip(fn.args[n_buffers:], ints):
             arg.name = n
         return fn
-
-
-def _gemm_buffers(node) -> set[Buffer]:
-    return {b for n in walk(node) if isinstance(n, Gemm) for b in (n.a_buf, n.b_buf, n.c_buf)}
 
 
 def _mangle(name: str) -> str:

@@ -32,13 +32,18 @@ from latte.compiler.ir import (
     If,
     Kernel,
     Loop,
-    LoopKind,
     Var,
-    rewrite,
+    substitute,
     walk,
 )
 from latte.compiler.mapping import tile_local
-from latte.compiler.passes.tiling import FLOAT_BYTES, ensemble_chain, is_batch_loop, tile_boxes
+from latte.compiler.passes.tiling import (
+    FLOAT_BYTES,
+    ensemble_chain,
+    is_batch_loop,
+    tile_boxes,
+    tile_loop,
+)
 from latte.lang import ActivationEnsemble, NormalizationEnsemble
 
 ROW_DIM = 1   # ensembles are (channels, rows, cols): tiles are row planes
@@ -191,15 +196,15 @@ def merge(group: Group, phase: str) -> Kernel:
         return replace(first, name=name, body=Block(stmts))
     lags = [group.lag(p, phase) for p in plans]
     nests = [(lag, s) for p, lag in zip(plans, lags) for s in p.kernels[phase].body.stmts
-             if _tile_nest(s)]
-    others = tuple(s for p in plans for s in p.kernels[phase].body.stmts if not _tile_nest(s))
+             if tile_loop(s) is not None]
+    others = tuple(s for p in plans for s in p.kernels[phase].body.stmts if tile_loop(s) is None)
     batch, tile = nests[0][1], nests[0][1].body.stmts[0]
     skew = max(lags)
     body: list = []
     for lag, nest in nests:
         t = nest.body.stmts[0]
         shift = {nest.var: Affine.of(batch.var), t.var: Affine.of(tile.var) - lag}
-        inner = rewrite(t.body, lambda n, m=shift: _substitute(n, m))
+        inner = substitute(t.body, shift)
         cond = [Compare("<", Var(tile.var), Const(t.extent + lag))]
         if lag:
             cond.insert(0, Compare(">=", Var(tile.var), Const(lag)))
@@ -212,21 +217,6 @@ def merge(group: Group, phase: str) -> Kernel:
                     meta=tile.meta + (("skew", skew),))
     nest = replace(batch, body=Block((fused,)))
     return replace(first, name=name, body=Block((*others, nest)))
-
-
-def _tile_nest(s) -> bool:
-    return (is_batch_loop(s) and len(s.body.stmts) == 1 and isinstance(s.body.stmts[0], Loop)
-            and s.body.stmts[0].kind is LoopKind.TILE_OUTER)
-
-
-def _substitute(node, mapping: dict):
-    if isinstance(node, Affine) and node.vars & mapping.keys():
-        for v, a in mapping.items():
-            node = node.substitute(v, a)
-        return node
-    if isinstance(node, Var) and node.name in mapping:
-        return mapping[node.name]
-    return None
 
 
 def planner_chain(plans) -> list:

@@ -314,6 +314,50 @@ def rewrite(node: Node, fn: Callable[[Node], Node | None]) -> Node:
     return node if out is None else out
 
 
+def substitute(node: Node, mapping: dict[str, Affine]) -> Node:
+    """``node`` with loop variables replaced by affine forms."""
+    def fn(n):
+        if isinstance(n, Affine) and n.vars & mapping.keys():
+            for v, a in mapping.items():
+                n = n.substitute(v, a)
+            return n
+        if isinstance(n, Var) and n.name in mapping:
+            return mapping[n.name]
+        return None
+    return rewrite(node, fn)
+
+
+@dataclass(frozen=True)
+class Access:
+    """One memory access below a node: a ref, or one operand block of a GEMM."""
+
+    buffer: Buffer
+    offset: Affine | None                   # flat element offset (None: not affine)
+    written: bool
+    index: tuple | None = None              # a ref's index (None for a GEMM operand)
+    block: tuple[tuple[int, int], ...] = ()  # a GEMM operand's (stride, extent) of rows, cols
+
+    @property
+    def span(self) -> int:
+        """Elements between the first and last of a GEMM block (0 for a ref)."""
+        return sum(stride * (extent - 1) for stride, extent in self.block)
+
+
+def accesses(node: Node) -> list[Access]:
+    """Every buffer access below ``node``: refs (stores marked) and GEMM operand blocks."""
+    stores = {id(r) for r in written_refs(node)}
+    out = [Access(r.buffer, r.offset(), id(r) in stores, r.index)
+           for r in walk(node) if isinstance(r, Ref)]
+    for g in walk(node):
+        if isinstance(g, Gemm):
+            a_rows, a_cols = (g.k, g.m) if g.trans_a else (g.m, g.k)
+            b_rows, b_cols = (g.n, g.k) if g.trans_b else (g.k, g.n)
+            out += [Access(g.a_buf, g.a_off, False, block=((g.lda, a_rows), (1, a_cols))),
+                    Access(g.b_buf, g.b_off, False, block=((g.ldb, b_rows), (1, b_cols))),
+                    Access(g.c_buf, g.c_off, True, block=((g.ldc, g.m), (1, g.n)))]
+    return out
+
+
 def refs(node: Node) -> Iterator[Ref]:
     return (n for n in walk(node) if isinstance(n, Ref))
 

@@ -31,8 +31,8 @@ class Executor:
                  profile: Profile | None = None):
         self.program, self.memory, self.comm, self.profile = program, memory, comm, profile
         self._ready_grads = _ready_grads(program, memory) if comm is not None else {}
-        self._update_grads = {s.name: [memory[b] for b in _param_grads(s, program)]
-                              for s in program.update}
+        self._update_grads = ({s.name: [memory[b] for b in _param_grads(s, program)]
+                               for s in program.update} if comm is not None else {})
         self._fns = {}
         segments = [s for s in program.forward + program.backward if isinstance(s, Segment)]
         for seg in segments + program.update:
@@ -94,10 +94,12 @@ class Executor:
         for seg in self.program.update:
             if self.comm is not None:
                 self.comm.wait(self._update_grads[seg.name])
+            if self.profile is None:
+                self._fns[seg.name](self._table)
+                continue
             start = time.perf_counter()
             self._fns[seg.name](self._table)
-            if self.profile is not None:
-                self.profile.add(self._labels[id(seg)], "update", time.perf_counter() - start)
+            self.profile.add(self._labels[id(seg)], "update", time.perf_counter() - start)
         if self.comm is not None:
             self.comm.end_step()
         if self.profile is not None:

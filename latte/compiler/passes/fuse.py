@@ -13,8 +13,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from latte.compiler.ir import Affine, Block, Gemm, Kernel, Loop, LoopKind, Ref, walk, written_refs
-from latte.compiler.passes.tiling import is_batch_loop
+from latte.compiler.ir import Block, Kernel, Loop, accesses, walk
+from latte.compiler.passes.tiling import tile_loop
 
 
 def fuse_nests(kernel: Kernel) -> Kernel:
@@ -31,45 +31,23 @@ def fuse_nests(kernel: Kernel) -> Kernel:
     return replace(kernel, body=Block(tuple(out)))
 
 
-def _tile(s):
-    if is_batch_loop(s) and len(s.body.stmts) == 1 and isinstance(s.body.stmts[0], Loop) \
-            and s.body.stmts[0].kind is LoopKind.TILE_OUTER:
-        return s.body.stmts[0]
-    return None
-
-
 def _same_space(a, b) -> bool:
-    ta, tb = _tile(a), _tile(b)
+    ta, tb = tile_loop(a), tile_loop(b)
     return (ta is not None and tb is not None and (a.var, a.extent) == (b.var, b.extent)
             and (ta.var, ta.extent) == (tb.var, tb.extent))
 
 
-def _accesses(s) -> list[tuple[object, Affine | None, list[tuple[int, int]]]]:
-    """(buffer, offset, extra (stride, extent) terms of a GEMM block) of every access."""
-    out = [(r.buffer, r.offset(), []) for r in walk(s) if isinstance(r, Ref)]
-    for g in walk(s):
-        if isinstance(g, Gemm):
-            a_rows, a_cols = (g.k, g.m) if g.trans_a else (g.m, g.k)
-            b_rows, b_cols = (g.n, g.k) if g.trans_b else (g.k, g.n)
-            out += [(g.a_buf, g.a_off, [(g.lda, a_rows), (1, a_cols)]),
-                    (g.b_buf, g.b_off, [(g.ldb, b_rows), (1, b_cols)]),
-                    (g.c_buf, g.c_off, [(g.ldc, g.m), (1, g.n)])]
-    return out
-
-
-def _written(s) -> set:
-    return {r.buffer for r in written_refs(s)} | {g.c_buf for g in walk(s) if isinstance(g, Gemm)}
-
-
 def _legal(a: Loop, b: Loop) -> bool:
-    tile = _tile(a)
+    tile = tile_loop(a)
     extents = {n.var: n.extent for n in walk(a) if isinstance(n, Loop)}
     extents.update({n.var: n.extent for n in walk(b) if isinstance(n, Loop)})
-    shared = (_written(a) & {x[0] for x in _accesses(b)}) | (_written(b) & {x[0] for x in _accesses(a)})
+    in_a, in_b = accesses(a), accesses(b)
+    written = {x.buffer for x in in_a + in_b if x.written}
+    shared = written & {x.buffer for x in in_a} & {x.buffer for x in in_b}
     rows = set()
-    for buf, off, extra in _accesses(a) + _accesses(b):
-        if buf in shared:
-            r = _tile_rows(buf, off, extra, a.var, tile.var, extents)
+    for x in in_a + in_b:
+        if x.buffer in shared:
+            r = _tile_rows(x.buffer, x.offset, list(x.block), a.var, tile.var, extents)
             if r is None:
                 return False
             rows.add(r)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from latte.compiler.ir import (
+    Access,
     Affine,
     Assign,
     AugAssign,
@@ -31,12 +32,13 @@ from latte.compiler.ir import (
     LoopKind,
     Ref,
     Var,
+    accesses,
     rewrite,
     walk,
     written_refs,
 )
 from latte.compiler.passes.data_copy import TID
-from latte.compiler.passes.tiling import is_batch_loop
+from latte.compiler.passes.tiling import is_batch_loop, tile_loop
 
 MIN_GEMM_FLOPS = 1 << 21     # smaller GEMMs are not worth a fork-join
 MIN_FLAT = 1 << 15           # iterations of a loop worth splitting across threads
@@ -79,21 +81,17 @@ def parallel(loop: Loop, collapse: int) -> Loop:
     return replace(loop, kind=LoopKind.PARALLEL, meta=loop.meta + (("collapse", collapse),))
 
 
-def _writes(s) -> list[tuple[object, tuple, Affine | None, int]]:
-    """(buffer, index, offset, extra span) of every store in ``s``; a GEMM writes a C block."""
-    out = [(r.buffer, r.index, r.offset(), 0) for r in written_refs(s)]
-    out += [(g.c_buf, None, g.c_off, (g.m - 1) * g.ldc + g.n - 1)
-            for g in walk(s) if isinstance(g, Gemm)]
-    return out
+def _stores(s) -> list[Access]:
+    return [a for a in accesses(s) if a.written and not _is_scratch(a.buffer)]
 
 
-def _per_item(buf, index, off, batch: str) -> bool:
+def _per_item(a: Access, batch: str) -> bool:
     """The store lands in the batch item ``batch`` of a batched buffer."""
-    if not buf.batched:
+    if not a.buffer.batched:
         return False
-    if index is not None:
-        return index[0] == Affine.of(batch)
-    return off is not None and off.coef(batch) == buf.size // buf.shape[0]
+    if a.index is not None:
+        return a.index[0] == Affine.of(batch)
+    return a.offset is not None and a.offset.coef(batch) == a.buffer.size // a.buffer.shape[0]
 
 
 def _is_scratch(buf) -> bool:
@@ -102,16 +100,15 @@ def _is_scratch(buf) -> bool:
 
 def _batch_nest(nest: Loop, bufs) -> list:
     extents = {n.var: n.extent for n in walk(nest) if isinstance(n, Loop)}
-    private = {buf for buf, index, off, _ in _writes(nest)
-               if not _is_scratch(buf) and not _per_item(buf, index, off, nest.var)}
+    private = {a.buffer for a in _stores(nest) if not _per_item(a, nest.var)}
     if not all(_only_accumulated(nest, b) for b in private):
         return [nest]
     collapse = 1
-    inner = nest.body.stmts[0] if len(nest.body.stmts) == 1 else None
-    skewed = isinstance(inner, Loop) and dict(inner.meta).get("skew")   # tiles depend on earlier ones
-    if isinstance(inner, Loop) and inner.kind is LoopKind.TILE_OUTER and not skewed and all(
-            _disjoint_tiles(off, span, inner.var, extents)
-            for buf, _, off, span in _writes(inner) if buf not in private and not _is_scratch(buf)):
+    tile = tile_loop(nest)
+    # a skewed tile loop's tiles depend on earlier ones
+    if tile is not None and not dict(tile.meta).get("skew") and all(
+            _disjoint_tiles(a.offset, a.span, tile.var, extents)
+            for a in _stores(tile) if a.buffer not in private):
         collapse = 2
     copies = {b: bufs.private(b) for b in private}
     body = rewrite(nest.body, lambda n: _privatize(n, copies))

@@ -27,8 +27,7 @@ from latte.compiler.ir import (
     LoopKind,
     Ref,
     Select,
-    Var,
-    rewrite,
+    substitute,
     walk,
 )
 
@@ -42,19 +41,22 @@ def tile_loops(kernel: Kernel, budget: int, forced: tuple[int, int] | None = Non
     ``forced = (dim, rows)`` tiles every nest along ensemble ``dim`` by ``rows`` (a fused
     group's tile height)."""
     stmts = [_tile(s, budget, forced) if is_batch_loop(s) else s for s in kernel.body.stmts]
-    tiles = [s.body.stmts[0] for s in stmts if is_batch_loop(s) and _tile_loop(s) is not None]
+    tiles = [t for s in stmts if (t := tile_loop(s)) is not None]
     if tiles or forced:
         dim, size = forced or (tiles[0].axis.dim, dict(tiles[0].meta)["tile_size"])
         for i, s in enumerate(stmts):
-            if is_batch_loop(s) and _tile_loop(s) is None:
+            if is_batch_loop(s) and tile_loop(s) is None:
                 lp = next((c for c in ensemble_chain(s)[1:] if c.axis.dim == dim), None)
                 if lp is not None and lp.start == 0 and lp.extent % size == 0:
                     stmts[i] = _split(s, lp, size, (("tile_size", size), ("scale", 1), ("halo", 0)))
     return replace(kernel, body=Block(tuple(stmts)))
 
 
-def _tile_loop(nest: Loop) -> Loop | None:
-    inner = nest.body.stmts[0] if len(nest.body.stmts) == 1 else None
+def tile_loop(s) -> Loop | None:
+    """The tile loop right under batch loop ``s``, if ``s`` is a tiled neuron nest."""
+    if not is_batch_loop(s) or len(s.body.stmts) != 1:
+        return None
+    inner = s.body.stmts[0]
     return inner if isinstance(inner, Loop) and inner.kind is LoopKind.TILE_OUTER else None
 
 
@@ -105,18 +107,9 @@ def _split(nest: Loop, lp: Loop, size: int, meta: tuple) -> Loop:
     right under the batch loop."""
     chain = ensemble_chain(nest)
     tvar = f"{lp.var}_t"
-    full = Affine.build({tvar: size, lp.var: 1})
-
-    def subst(node):
-        if isinstance(node, Affine) and node.coef(lp.var):
-            return node.substitute(lp.var, full)
-        if node == Var(lp.var):
-            return full
-        return None
-
     inner = replace(lp, stop=size, kind=LoopKind.TILE_INNER)
     # rebuild: batch, tile, then the ensemble loops with ``lp`` shrunk to one tile
-    body = rewrite(chain[-1].body, subst)
+    body = substitute(chain[-1].body, {lp.var: Affine.build({tvar: size, lp.var: 1})})
     for c in reversed(chain[1:]):
         body = Block((replace(inner if c is lp else c, body=body),))
     tile = Loop(tvar, 0, lp.extent // size, body, LoopKind.TILE_OUTER, lp.axis, meta)

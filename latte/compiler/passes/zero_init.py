@@ -22,6 +22,7 @@ from latte.compiler.ir import (
     Kernel,
     Loop,
     Ref,
+    accesses,
     rewrite,
     walk,
 )
@@ -89,9 +90,7 @@ def _first_write(s, buf: Buffer):
 
 
 def _touched(s) -> set[Buffer]:
-    out = {n.buffer for n in walk(s) if isinstance(n, Ref)}
-    out |= {b for n in walk(s) if isinstance(n, Gemm) for b in (n.a_buf, n.b_buf, n.c_buf)}
-    return out
+    return {a.buffer for a in accesses(s)}
 
 
 def fold_zero_init(kernel: Kernel, zeroed: frozenset[Buffer] = frozenset()
