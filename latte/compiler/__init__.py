@@ -133,8 +133,8 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     # cross-layer fusion: chains whose tile T reads only the producer's tile T (isl)
     groups = fusion_groups(net, plans, budget, bufs.threads) if opt_level >= 3 else []
     forced = {ens: (ROW_DIM, rows) for g in groups for ens, rows in g.rows.items()}
-    pre_zeroed: set[Buffer] = set()   # gradients a GEMM overwrites need no zeroing
-    first_touch = _first_grad_touch(net, plans, bufs, dead)
+    pre_zeroed: set[Buffer] = set()   # gradients a first writer overwrites need no zeroing
+    first_touch = _first_grad_touch(net, plans, bufs, dead) if opt_level >= 1 else {}
     for plan in plans if opt_level >= 1 else ():
         ens = plan.ensemble
         for phase in ("forward", "backward"):
@@ -145,7 +145,7 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
             # sliding windows gathered into tile buffers, then GEMMs over them
             kernel = copy_windows(kernel, bufs)
             kernel = match_gemm(kernel)
-            # a GEMM that first writes a zeroed buffer overwrites it (beta = 0)
+            # the first writer of a zeroed buffer overwrites it (a GEMM with beta = 0, a store)
             zeroed = frozenset(bufs.field_grad(ens, f.name) for f in ens.params) | first_touch[ens]
             kernel, folded = fold_zero_init(kernel, zeroed if phase == "backward" else frozenset())
             pre_zeroed |= folded
@@ -155,7 +155,7 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
             fused = merge(group, phase)
             for plan in group.plans:
                 plan.kernels[phase] = replace(plan.kernels[phase], body=Block(()))
-            group.plans[0 if phase == "forward" else -1].kernels[phase] = fused
+            group.owner(phase).kernels[phase] = fused
     for plan in plans if opt_level >= 2 else ():
         for phase in ("forward", "backward"):
             # nests over the same tiles run tile by tile; batch x tiles across threads,

@@ -30,9 +30,6 @@ def set_blas_threads(n: int) -> None:
     blas().scipy_openblas_set_num_threads(ctypes.c_int(max(1, int(n))))
 
 
-def blas_threads() -> int:
-    return int(blas().scipy_openblas_get_num_threads())
-
 
 def pin_other_blas() -> None:
     """Other OpenBLAS copies in the process (numpy ships its own) run on one thread: their

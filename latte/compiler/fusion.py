@@ -58,6 +58,10 @@ class Group:
     footprint: int      # bytes one tile of the whole group touches
     links: tuple = ()   # per member after the first: 1 where it reads its producer's halo
 
+    def owner(self, phase: str):
+        """The member whose kernel runs the group in ``phase`` (the first to run)."""
+        return self.plans[0] if phase == "forward" else self.plans[-1]
+
     def lag(self, plan, phase: str) -> int:
         """Tiles ``plan`` runs behind the group's leader: a consumer that reads the next
         producer tile's rows waits one tile in forward; in backward its producer waits."""
@@ -189,7 +193,7 @@ def merge(group: Group, phase: str) -> Kernel:
     a halo link the members' tile loops become one, skewed: iteration ``t`` runs tile
     ``t - lag`` of each member (see :meth:`Group.lag`), so a consumer's rows are complete."""
     plans = group.plans if phase == "forward" else group.plans[::-1]
-    first = plans[0].kernels[phase]
+    first = group.owner(phase).kernels[phase]
     name = f"{group.name}.{phase}"
     if not any(group.links):
         stmts = tuple(s for p in plans for s in p.kernels[phase].body.stmts)

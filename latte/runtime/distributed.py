@@ -142,6 +142,3 @@ class Communicator:
         """Reduction time left exposed per step (ms) and the number of steps measured."""
         return {"exposed_ms_per_step": 1e3 * self.wait_seconds / max(1, self.steps),
                 "steps": self.steps}
-
-    def reset_stats(self) -> None:
-        self.wait_seconds, self.steps = 0.0, 0

@@ -39,7 +39,7 @@ class Executor:
             self._fns[seg.name] = _SEGMENT(program.library.address(seg.name))
         self._table = ctypes.cast(memory.table, ctypes.c_void_p)
         steps = program.forward + program.backward + program.update
-        fused = {(g.plans[0 if phase == "forward" else -1].ensemble, phase): g.name
+        fused = {(g.owner(phase).ensemble, phase): g.name
                  for g in program.groups for phase in ("forward", "backward")}
         self._labels = ({id(s): step_label(s, fused) for s in steps} if profile is not None
                         else {})
