@@ -44,12 +44,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
     OtherLoad,
     emit,
+    fwd_bwd,
+    malloc_note,
     median_ms,
     openblas_core,
     run_worker,
     table,
+    torch_note,
     worker_args,
     worker_env,
+    worker_options,
 )
 
 FRAMEWORKS = ("latte-o2", "latte-o3", "torch", "torch-cl", "ort")
@@ -58,6 +62,12 @@ DEPTHS = (1, 2, 5, 10, 20, 40)
 BLOCKS = {"vgg_micro": (16, (3, 224, 224), (64,), False),
           "vgg_block1": (4, (3, 224, 224), (64, 64), True)}
 STACK = (16, (64, 56, 56))
+
+
+def _halved(repeat: int, warmup: int) -> tuple[int, int]:
+    """Repetitions and warm-up calls of the slower measurements (forward + backward, the
+    stack): half of ``--repeat`` and ``--warmup``, at least 3 and 1."""
+    return max(3, repeat // 2), max(1, warmup // 2)
 
 
 def _input(batch: int, shape) -> np.ndarray:
@@ -114,10 +124,8 @@ def latte_worker(bench: str, opt_level: int, threads: int, repeat: int, warmup: 
            "groups": len(getattr(net.program, "groups", [])),
            "note": f"OpenBLAS {openblas_core()}; {_groups(net)}"}
     if bench != "stack" and BLOCKS[bench][3]:
-        def fwd_bwd():
-            net.forward()
-            net.backward()
-        out["fwd_bwd"] = median_ms(fwd_bwd, warmup=max(1, warmup // 2), repeat=max(3, repeat // 2))
+        half_repeat, half_warmup = _halved(repeat, warmup)
+        out["fwd_bwd"] = median_ms(fwd_bwd(net), warmup=half_warmup, repeat=half_repeat)
     return out
 
 
@@ -150,15 +158,14 @@ def torch_worker(bench: str, threads: int, repeat: int, warmup: int, channels_la
         with torch.inference_mode():
             return model(x)
 
-    def fwd_bwd():
+    def torch_fwd_bwd():
         model.zero_grad(set_to_none=False)
         model(x).backward(grad)
 
-    layout = "channels_last" if channels_last else "NCHW"
-    out = {"fwd": median_ms(fwd, warmup=warmup, repeat=repeat),
-           "note": f"torch {torch.__version__}, {layout}"}
+    out = {"fwd": median_ms(fwd, warmup=warmup, repeat=repeat), "note": torch_note(channels_last)}
     if backward:
-        out["fwd_bwd"] = median_ms(fwd_bwd, warmup=max(1, warmup // 2), repeat=max(3, repeat // 2))
+        half_repeat, half_warmup = _halved(repeat, warmup)
+        out["fwd_bwd"] = median_ms(torch_fwd_bwd, warmup=half_warmup, repeat=half_repeat)
     return out
 
 
@@ -236,8 +243,7 @@ def block_table(bench: str, args, env: dict) -> str:
     backward = BLOCKS[bench][3]
     rows = []
     for threads in args.threads:
-        res = {fw: run_worker(__file__, f"{bench}/{fw}", threads,
-                              ["--repeat", str(args.repeat), "--warmup", str(args.warmup)], env)
+        res = {fw: run_worker(__file__, f"{bench}/{fw}", threads, worker_options(args), env)
                for fw in FRAMEWORKS}
         base = res["latte-o3"]
         for fw, r in res.items():
@@ -254,8 +260,8 @@ def block_table(bench: str, args, env: dict) -> str:
     convs = ", ".join(f"conv {a}->{b} 3x3 pad 1, ReLU"
                       for a, b in zip((c, *filters[:-1]), filters))
     head = (f"{bench}: {convs}, max-pool 2 on {h}x{w}, batch {batch}; median of {args.repeat} "
-            f"(fwd)" + (f" and {max(3, args.repeat // 2)} (fwd+bwd)" if backward else "")
-            + f", {'stock malloc' if args.stock_malloc else 'warm malloc'}")
+            f"(fwd)" + (f" and {_halved(args.repeat, args.warmup)[0]} (fwd+bwd)" if backward else "")
+            + f", {malloc_note(args)}")
     header = ["framework", "threads", "fwd ms", "/latte-o3", "conv GFLOP/s"]
     if backward:
         header += ["fwd+bwd ms", "/latte-o3"]
@@ -263,7 +269,7 @@ def block_table(bench: str, args, env: dict) -> str:
 
 
 def stack_table(args, env: dict) -> str:
-    repeat, warmup = max(3, args.repeat // 2), max(1, args.warmup // 2)
+    repeat, warmup = _halved(args.repeat, args.warmup)
     rows, notes = [], set()
     for depth in DEPTHS:
         row, groups = [depth], "-"

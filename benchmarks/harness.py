@@ -78,6 +78,36 @@ def worker_options(args: argparse.Namespace) -> list[str]:
     return ["--repeat", str(args.repeat), "--warmup", str(args.warmup)]
 
 
+def malloc_note(args: argparse.Namespace) -> str:
+    """How the workers' malloc ran, for a table's title (see ``--stock-malloc``)."""
+    return "stock malloc" if args.stock_malloc else "warm malloc"
+
+
+def fwd_bwd(net):
+    """One forward and backward pass of a latte net, as a function to time."""
+    def run():
+        net.forward()
+        net.backward()
+    return run
+
+
+def sgd_step(net):
+    """One SGD training step of a latte net (forward, backward, update with lr 0.01,
+    momentum 0.9, weight decay 5e-4), as a function to time."""
+    def step():
+        net.forward()
+        net.backward()
+        net.update(0.01, 0.9, 0.0005)
+    return step
+
+
+def torch_note(channels_last: bool) -> str:
+    """The notes column of a PyTorch worker: its version and memory layout."""
+    import torch  # noqa: PLC0415
+
+    return f"torch {torch.__version__}, {'channels_last' if channels_last else 'NCHW'}"
+
+
 def latte_profile(net, fn, warmup: int, repeat: int) -> dict[str, dict[str, float]]:
     """Per ensemble and phase, mean ms per call of ``fn`` on a net built with
     ``profile=True`` (see :class:`latte.runtime.profile.Profile`), after ``warmup`` calls."""

@@ -26,12 +26,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
     OtherLoad,
     latte_profile,
+    malloc_note,
     median_ms,
     openblas_core,
     run_frameworks,
     scaling_table,
     serve_torch_or_latte,
+    sgd_step,
     table,
+    torch_note,
     worker_args,
 )
 
@@ -72,18 +75,11 @@ def latte_lenet(threads: int, profile: bool = False, batch: int = BATCH):
 
 
 def latte_worker(threads: int, repeat: int, warmup: int) -> dict:
-    def stepper(net):
-        def step():
-            net.forward()
-            net.backward()
-            net.update(0.01, 0.9, 0.0005)
-        return step
-
     net = latte_lenet(threads)
-    ms = median_ms(stepper(net), warmup=warmup, repeat=repeat)
+    ms = median_ms(sgd_step(net), warmup=warmup, repeat=repeat)
     del net
     net = latte_lenet(threads, profile=True)
-    layers = latte_profile(net, stepper(net), warmup, repeat)
+    layers = latte_profile(net, sgd_step(net), warmup, repeat)
     return {"step": ms, "layers": layers, "note": f"OpenBLAS {openblas_core()}"}
 
 
@@ -109,9 +105,7 @@ def torch_worker(threads: int, repeat: int, warmup: int, channels_last: bool) ->
         loss_fn(model(xb), yb).backward()
         opt.step()
 
-    layout = "channels_last" if channels_last else "NCHW"
-    return {"step": median_ms(step, warmup=warmup, repeat=repeat),
-            "note": f"torch {torch.__version__}, {layout}"}
+    return {"step": median_ms(step, warmup=warmup, repeat=repeat), "note": torch_note(channels_last)}
 
 
 def main() -> None:
@@ -131,7 +125,7 @@ def main() -> None:
             rows.append([fw, threads, f"{r['step']:.2f}", f"{BATCH / r['step'] * 1e3:,.0f}",
                          ratio, r["note"]])
     print(f"LeNet, batch {BATCH}, 28x28x1, one SGD step (fwd+bwd+update), "
-          f"median of {args.repeat}, {'stock malloc' if args.stock_malloc else 'warm malloc'}")
+          f"median of {args.repeat}, {malloc_note(args)}")
     print(table(rows, ["framework", "threads", "step ms", "img/s", "torch/latte", "notes"]))
     if profiles:
         print(f"\nlatte per layer (profiled net, mean ms per step over {args.repeat} steps)")

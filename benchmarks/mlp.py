@@ -14,7 +14,17 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import emit, median_ms, openblas_core, run_worker, table, worker_args  # noqa: E402
+from harness import (  # noqa: E402
+    emit,
+    fwd_bwd,
+    median_ms,
+    openblas_core,
+    run_worker,
+    sgd_step,
+    table,
+    worker_args,
+    worker_options,
+)
 
 BATCH, SIZES = 128, (784, 1024, 1024, 10)
 # forward GEMMs, weight-gradient GEMMs, input-gradient GEMMs of layers 2 and 3
@@ -45,23 +55,14 @@ def latte_mlp(batch: int, threads: int):
     return net
 
 
-def latte_worker(threads: int, repeat: int) -> dict:
+def latte_worker(threads: int, repeat: int, warmup: int) -> dict:
     net = latte_mlp(BATCH, threads)
-
-    def step():
-        net.forward()
-        net.backward()
-        net.update(0.01, 0.9, 0.0005)
-
-    def fwd_bwd():
-        net.forward()
-        net.backward()
-
-    return {"step": median_ms(step, repeat=repeat), "fwd_bwd": median_ms(fwd_bwd, repeat=repeat),
+    return {"step": median_ms(sgd_step(net), warmup=warmup, repeat=repeat),
+            "fwd_bwd": median_ms(fwd_bwd(net), warmup=warmup, repeat=repeat),
             "note": f"OpenBLAS {openblas_core()}"}
 
 
-def torch_worker(threads: int, repeat: int) -> dict:
+def torch_worker(threads: int, repeat: int, warmup: int) -> dict:
     import torch
 
     torch.set_num_threads(threads)
@@ -76,15 +77,16 @@ def torch_worker(threads: int, repeat: int) -> dict:
     loss_fn = torch.nn.CrossEntropyLoss()
     xb, yb = x[:BATCH], y[:BATCH]
 
-    def fwd_bwd():
+    def torch_fwd_bwd():
         opt.zero_grad()
         loss_fn(model(xb), yb).backward()
 
     def step():
-        fwd_bwd()
+        torch_fwd_bwd()
         opt.step()
 
-    return {"step": median_ms(step, repeat=repeat), "fwd_bwd": median_ms(fwd_bwd, repeat=repeat),
+    return {"step": median_ms(step, warmup=warmup, repeat=repeat),
+            "fwd_bwd": median_ms(torch_fwd_bwd, warmup=warmup, repeat=repeat),
             "note": f"torch {torch.__version__}"}
 
 
@@ -92,11 +94,11 @@ def main() -> None:
     args = worker_args()
     if args.worker:
         fn = {"latte": latte_worker, "torch": torch_worker}[args.worker]
-        emit(fn(args.threads[0], args.repeat))
+        emit(fn(args.threads[0], args.repeat, args.warmup))
         return
     rows = []
     for threads in args.threads:
-        res = {fw: run_worker(__file__, fw, threads, ["--repeat", str(args.repeat)])
+        res = {fw: run_worker(__file__, fw, threads, worker_options(args))
                for fw in ("latte", "torch")}
         for fw, r in res.items():
             if r is None:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import emit, median_ms, run_worker, table, worker_args  # noqa: E402
+from harness import emit, median_ms, run_worker, sgd_step, table, worker_args, worker_options  # noqa: E402
 from lenet import latte_lenet  # noqa: E402
 from mlp import SIZES, latte_mlp  # noqa: E402
 
@@ -29,18 +29,12 @@ NETS = {  # name: (global batch, builder(batch per rank, threads))
 }
 
 
-def latte_worker(name: str, threads: int, repeat: int) -> dict:
+def latte_worker(name: str, threads: int, repeat: int, warmup: int) -> dict:
     from latte.runtime import distributed
 
     global_batch, build = NETS[name]
     net = build(global_batch // distributed.world_size(), threads)
-
-    def step():
-        net.forward()
-        net.backward()
-        net.update(0.01, 0.9, 0.0005)
-
-    ms = median_ms(step, repeat=repeat)
+    ms = median_ms(sgd_step(net), warmup=warmup, repeat=repeat)
     if distributed.comm() is not None:   # every rank's median; report the slowest
         from mpi4py import MPI
 
@@ -49,12 +43,12 @@ def latte_worker(name: str, threads: int, repeat: int) -> dict:
     return {"step": ms, "exposed": stats.get("exposed_ms_per_step")}
 
 
-def _mpi_worker(name: str, overlap: bool, repeat: int) -> dict | None:
+def _mpi_worker(name: str, overlap: bool, options: list[str]) -> dict | None:
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
     env = dict(os.environ, OMP_NUM_THREADS="1", LATTE_MPI_OVERLAP="1" if overlap else "0",
                LATTE_BENCH_NET=name)
     cmd = [mpiexec, "-n", "2", sys.executable, __file__, "--worker", "latte", "--threads", "1",
-           "--repeat", str(repeat)]
+           *options]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode != 0 or not lines:
@@ -66,15 +60,16 @@ def _mpi_worker(name: str, overlap: bool, repeat: int) -> dict | None:
 def main() -> None:
     args = worker_args()
     if args.worker:
-        result = latte_worker(os.environ["LATTE_BENCH_NET"], args.threads[0], args.repeat)
+        result = latte_worker(os.environ["LATTE_BENCH_NET"], args.threads[0], args.repeat,
+                              args.warmup)
         if int(os.environ.get("PMI_RANK", "0")) == 0:
             emit(result)
         return
     for name in NETS:
         os.environ["LATTE_BENCH_NET"] = name
-        single = run_worker(__file__, "latte", 2, ["--repeat", str(args.repeat)])
-        report(name, single, _mpi_worker(name, True, args.repeat),
-               _mpi_worker(name, False, args.repeat), args.repeat)
+        single = run_worker(__file__, "latte", 2, worker_options(args))
+        report(name, single, _mpi_worker(name, True, worker_options(args)),
+               _mpi_worker(name, False, worker_options(args)), args.repeat)
 
 
 def report(name: str, single, overlapped, blocking, repeat: int) -> None:

@@ -27,13 +27,16 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
     OtherLoad,
+    fwd_bwd,
     latte_profile,
+    malloc_note,
     median_ms,
     openblas_core,
     run_frameworks,
     scaling_table,
     serve_torch_or_latte,
     table,
+    torch_note,
     worker_args,
 )
 
@@ -64,12 +67,6 @@ def latte_block(threads: int, profile: bool = False):
 
 
 def latte_worker(threads: int, repeat: int, warmup: int) -> dict:
-    def fwd_bwd(net):
-        def run():
-            net.forward()
-            net.backward()
-        return run
-
     net = latte_block(threads)
     out = {"fwd": median_ms(net.forward, warmup=warmup, repeat=repeat),
            "fwd_bwd": median_ms(fwd_bwd(net), warmup=warmup, repeat=repeat)}
@@ -88,24 +85,22 @@ def torch_worker(threads: int, repeat: int, warmup: int, channels_last: bool) ->
     model = nn.Sequential(nn.Conv2d(CHANNELS, FILTERS, 3, padding=1), nn.ReLU(),
                           nn.MaxPool2d(2))
     x = torch.from_numpy(_input())
+    grad = torch.randn(BATCH, FILTERS, SIZE // 2, SIZE // 2)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
         x = x.to(memory_format=torch.channels_last)
-    grad = torch.randn(BATCH, FILTERS, SIZE // 2, SIZE // 2)
-    if channels_last:
         grad = grad.to(memory_format=torch.channels_last)
 
     def fwd():
         return model(x)
 
-    def fwd_bwd():
+    def torch_fwd_bwd():
         model.zero_grad(set_to_none=False)
         model(x).backward(grad)
 
-    layout = "channels_last" if channels_last else "NCHW"
     return {"fwd": median_ms(fwd, warmup=warmup, repeat=repeat),
-            "fwd_bwd": median_ms(fwd_bwd, warmup=warmup, repeat=repeat),
-            "note": f"torch {torch.__version__}, {layout}"}
+            "fwd_bwd": median_ms(torch_fwd_bwd, warmup=warmup, repeat=repeat),
+            "note": torch_note(channels_last)}
 
 
 def main() -> None:
@@ -126,8 +121,7 @@ def main() -> None:
             rows.append([fw, threads, f"{r['fwd']:.2f}", ratios[0], f"{r['fwd_bwd']:.2f}",
                          ratios[1], f"{FLOPS / r['fwd'] / 1e6:.0f}", r["note"]])
     print(f"VGG block: conv {CHANNELS}->{FILTERS} 3x3 pad 1, ReLU, max-pool 2 on {SIZE}x{SIZE}, "
-          f"batch {BATCH}, median of {args.repeat}, "
-          f"{'stock malloc' if args.stock_malloc else 'warm malloc'}")
+          f"batch {BATCH}, median of {args.repeat}, {malloc_note(args)}")
     print(table(rows, ["framework", "threads", "fwd ms", "torch/latte", "fwd+bwd ms",
                        "torch/latte", "fwd GFLOP/s", "notes"]))
     if profiles:

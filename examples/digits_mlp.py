@@ -5,21 +5,21 @@ Run it with ``python examples/digits_mlp.py`` or ``latte run examples/digits_mlp
 """
 
 import numpy as np
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from digits import digits_split
 
 from latte import Net
 from latte.solvers import SGD, LRPolicy, MomPolicy, SolverParameters, solve
 from latte.stdlib import AccuracyLayer, ArrayDataLayer, FullyConnectedLayer, ReLULayer, SoftmaxLossLayer
 
-digits = load_digits()
-X = (digits.images / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)   # pixels in [0, 1]
-y = digits.target.astype(np.int64)
-X_train, X_test, y_train, y_test = train_test_split(X, y, test_size=0.2, random_state=0,
-                                                    stratify=y)        # fixed 80/20 split
+
+def prepare(images: np.ndarray) -> np.ndarray:
+    return (images / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)   # pixels in [0, 1]
+
+
+train, test = digits_split(prepare)
 
 net = Net(32, seed=0)
-data, label = ArrayDataLayer(net, (X_train, y_train), test=(X_test, y_test), shuffle=True)
+data, label = ArrayDataLayer(net, train, test=test, shuffle=True)
 ip1 = FullyConnectedLayer("ip1", net, data, 64)
 r1 = ReLULayer("relu1", net, ip1)
 ip2 = FullyConnectedLayer("ip2", net, r1, 10)

@@ -10,8 +10,7 @@ Run it with ``python examples/lenet.py`` or ``latte run examples/lenet.py``
 """
 
 import numpy as np
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
+from digits import digits_split
 
 from latte import Net
 from latte.solvers import SGD, LRPolicy, MomPolicy, SolverParameters, solve
@@ -25,17 +24,18 @@ from latte.stdlib import (
     SoftmaxLossLayer,
 )
 
-digits = load_digits()
-images = (digits.images / 8.0 - 1.0).astype(np.float32)               # pixels in [-1, 1]
-images = images.repeat(3, axis=1).repeat(3, axis=2)                   # 24x24, nearest
-X = np.pad(images, ((0, 0), (2, 2), (2, 2)), constant_values=-1.0)    # 28x28, background border
-X = X.reshape(-1, 1, 28, 28)
-y = digits.target.astype(np.int64)
-X_train, X_test, y_train, y_test = train_test_split(X, y, test_size=0.2, random_state=0,
-                                                    stratify=y)        # fixed 80/20 split
+
+def prepare(images: np.ndarray) -> np.ndarray:
+    images = (images / 8.0 - 1.0).astype(np.float32)                  # pixels in [-1, 1]
+    images = images.repeat(3, axis=1).repeat(3, axis=2)               # 24x24, nearest
+    X = np.pad(images, ((0, 0), (2, 2), (2, 2)), constant_values=-1.0)  # 28x28, background border
+    return X.reshape(-1, 1, 28, 28)
+
+
+train, test = digits_split(prepare)
 
 net = Net(64, seed=0)
-data, label = ArrayDataLayer(net, (X_train, y_train), test=(X_test, y_test), shuffle=True)
+data, label = ArrayDataLayer(net, train, test=test, shuffle=True)
 conv1 = ConvolutionLayer("conv1", net, data, 20, 5)                   # 20x24x24
 pool1 = MaxPoolingLayer("pool1", net, conv1, 2)                       # 20x12x12
 conv2 = ConvolutionLayer("conv2", net, pool1, 50, 5)                  # 50x8x8

@@ -83,6 +83,14 @@ def fill(net, ens, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
     return x
 
 
+def set_biases(net, rng: np.random.Generator, scale: float = 1.0) -> None:
+    """Give every ``*.bias`` parameter random normal values (layers start them at zero), so
+    that the biases show up in forward checks and their gradients are not trivially zero."""
+    for p in net.params:
+        if p.name.endswith(".bias"):
+            p.value[...] = (scale * rng.standard_normal(p.value.shape)).astype(np.float32)
+
+
 def fill_labels(net, ens, n_classes: int, rng: np.random.Generator) -> np.ndarray:
     """Write random class indices into a ``(1,)`` label ensemble and return them."""
     y = rng.integers(0, n_classes, net.batch_size)

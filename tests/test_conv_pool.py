@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import OPT_LEVELS, WeightedSumLoss, check_gradients, fill, fill_labels
+from helpers import OPT_LEVELS, WeightedSumLoss, check_gradients, fill, fill_labels, set_biases
 
 from latte import Net, Phase
 from latte.errors import ShapeError
@@ -100,28 +100,35 @@ def _pool_grad(windows_grad: np.ndarray, x_shape, kernel, stride, pad) -> np.nda
     return gp[:, :, py:py + h, px:px + w]
 
 
+def _pool_net(layer, opt_level, c, h, w, kernel, stride, pad):
+    """x -> ``layer`` (stride None: the layer's default, the kernel) -> WeightedSumLoss."""
+    net = Net(BATCH, opt_level=opt_level)
+    x = MemoryDataLayer(net, "x", (c, h, w))
+    pool = layer("pool", net, x, kernel, stride=stride, pad=pad)
+    loss = WeightedSumLoss(net, "loss", pool)
+    net.init()
+    return net, x, pool, loss
+
+
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
 @pytest.mark.parametrize("c,h,w,kernel,stride,pad", POOL_CASES, ids=POOL_IDS)
 def test_max_pooling(opt_level, c, h, w, kernel, stride, pad):
     rng = np.random.default_rng(21)
-    net = Net(BATCH, opt_level=opt_level)
-    x = MemoryDataLayer(net, "x", (c, h, w))
-    pool = MaxPoolingLayer("pool", net, x, kernel, stride=stride, pad=pad)
-    loss = WeightedSumLoss(net, "loss", pool)
-    net.init()
+    net, x, pool, loss = _pool_net(MaxPoolingLayer, opt_level, c, h, w, kernel, stride, pad)
     # distinct values 0.05 apart: no ties, and no finite-difference step changes an arg-max;
     # mostly negative, so that padding read as zero would win
     n = BATCH * c * h * w
     xv = ((rng.permutation(n) - 0.9 * n) * 0.05).reshape(BATCH, c, h, w).astype(np.float32)
     net.value(x)[...] = xv
     net.forward()
-    win = _windows(xv, kernel, stride or kernel, pad, fill_value=-np.inf)
+    stride = stride or kernel
+    win = _windows(xv, kernel, stride, pad, fill_value=-np.inf)
     ref = win.max(axis=(-2, -1))
     assert pool.shape == (c, *ref.shape[2:])
     np.testing.assert_array_equal(net.value(pool), ref)
     net.backward()
     hit = win == ref[..., None, None]
-    ref_grad = _pool_grad(hit * loss.w[..., None, None], xv.shape, kernel, stride or kernel, pad)
+    ref_grad = _pool_grad(hit * loss.w[..., None, None], xv.shape, kernel, stride, pad)
     np.testing.assert_allclose(net.grad(x), ref_grad, rtol=1e-6)
     check_gradients(net, [x])
 
@@ -130,20 +137,17 @@ def test_max_pooling(opt_level, c, h, w, kernel, stride, pad):
 @pytest.mark.parametrize("c,h,w,kernel,stride,pad", POOL_CASES, ids=POOL_IDS)
 def test_mean_pooling(opt_level, c, h, w, kernel, stride, pad):
     rng = np.random.default_rng(22)
-    net = Net(BATCH, opt_level=opt_level)
-    x = MemoryDataLayer(net, "x", (c, h, w))
-    pool = MeanPoolingLayer("pool", net, x, kernel, stride=stride, pad=pad)
-    loss = WeightedSumLoss(net, "loss", pool)
-    net.init()
+    net, x, pool, loss = _pool_net(MeanPoolingLayer, opt_level, c, h, w, kernel, stride, pad)
     xv = fill(net, x, rng)
     net.forward()
     kh, kw = _pair(kernel)
-    win = _windows(xv, kernel, stride or kernel, pad)
+    stride = stride or kernel
+    win = _windows(xv, kernel, stride, pad)
     np.testing.assert_allclose(net.value(pool), win.sum(axis=(-2, -1)) / (kh * kw),
                                rtol=1e-5, atol=1e-6)   # padding counts in the divisor
     net.backward()
     per_window = np.broadcast_to(loss.w[..., None, None] / (kh * kw), win.shape)
-    ref_grad = _pool_grad(per_window, xv.shape, kernel, stride or kernel, pad)
+    ref_grad = _pool_grad(per_window, xv.shape, kernel, stride, pad)
     np.testing.assert_allclose(net.grad(x), ref_grad, rtol=1e-5, atol=1e-6)
     check_gradients(net, [x])
 
@@ -244,9 +248,7 @@ def test_small_convnet_gradients(opt_level, pooling):
     fc = FullyConnectedLayer("fc", net, pool, 5)
     SoftmaxLossLayer("loss", net, fc, label)
     net.init()
-    for p in net.params:
-        if p.name.endswith(".bias"):
-            p.value[...] = 0.1 * rng.standard_normal(p.value.shape)
+    set_biases(net, rng, scale=0.1)
     fill(net, x, rng)
     fill_labels(net, label, 5, rng)
     assert pool.shape == (3, 4, 3)

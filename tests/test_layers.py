@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import OPT_LEVELS, WeightedSumLoss, check_gradients, fill, fill_labels, softmax_xent
+from helpers import OPT_LEVELS, WeightedSumLoss, check_gradients, fill, fill_labels, set_biases, softmax_xent
 
 from latte import Net
 from latte.stdlib import (
@@ -20,13 +20,6 @@ from latte.stdlib import (
 BATCH = 8
 
 
-def _set_bias(net, rng) -> None:
-    """Give every bias non-zero values so that it shows up in the forward check."""
-    for p in net.params:
-        if p.name.endswith(".bias"):
-            p.value[...] = rng.standard_normal(p.value.shape).astype(np.float32)
-
-
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
 @pytest.mark.parametrize("in_shape", [(32,), (2, 3, 3)], ids=["1d", "chw"])
 def test_fully_connected(opt_level, in_shape):
@@ -37,7 +30,7 @@ def test_fully_connected(opt_level, in_shape):
     fc = FullyConnectedLayer("fc", net, x, 16)
     SoftmaxLossLayer("loss", net, fc, label)
     net.init()
-    _set_bias(net, rng)
+    set_biases(net, rng)
     xv = fill(net, x, rng)
     y = fill_labels(net, label, 16, rng)
     net.forward()
@@ -75,7 +68,7 @@ def test_activation(opt_level, kind):
     act = layer("act", net, fc)
     loss = WeightedSumLoss(net, "loss", act)
     net.init()
-    _set_bias(net, rng)
+    set_biases(net, rng)
     xv = fill(net, x, rng)
     net.forward()
     w, b = net.params[0].value, net.params[1].value
