@@ -21,6 +21,8 @@ from latte.compiler.ir import (
     AugAssign,
     BinOp,
     Block,
+    BoolOp,
+    Compare,
     Const,
     Gemm,
     If,
@@ -96,7 +98,9 @@ def _copy(s: Loop, bufs, key: tuple):
         else:
             compute = Block((nest(order, Assign(ref, Const(0.0))), compute))
         scatter = AugAssign(aug.target, "+", Load(ref))
-        return nest(outer, compute, nest(order, If(guard, Block((scatter,))) if guard else scatter))
+        return nest(outer, compute, split_guard(order, guard, lambda cond: (
+            scatter if cond is True else None if cond is False else If(cond, Block((scatter,)))),
+            outer + inner))
     if guard is not None or not isinstance(aug.value, BinOp) or aug.value.op != "*":
         return None
     operands = [aug.value.lhs, aug.value.rhs]
@@ -109,8 +113,74 @@ def _copy(s: Loop, bufs, key: tuple):
     compute = match_nest(nest(inner, replace(aug, value=BinOp("*", *operands))))
     if not _is_gemm(compute):
         return None
-    gather = nest(order, Assign(ref, aug.value.lhs if i == 0 else aug.value.rhs))
+    value = aug.value.lhs if i == 0 else aug.value.rhs
+    guard, load = (value.cond, value.if_true) if isinstance(value, Select) else (None, value)
+    gather = split_guard(order, guard, lambda cond: Assign(ref, (
+        load if cond is True else Const(0.0) if cond is False else Select(cond, load, Const(0.0)))),
+        outer + inner)
     return nest(outer, gather, compute)
+
+
+def split_guard(order: list[Loop], guard, make, loops: list[Loop]):
+    """The nest ``order`` around ``make(cond)``, a statement that runs under a padding ``guard``
+    (``make(True)``: unguarded; ``make(False)``: the guard fails, ``None`` for no statement).
+    The interior runs without tests: the guard's terms that do not depend on the innermost
+    loop wrap that loop, and the loop is split where its own terms hold for every value of
+    the other variables (``loops``: every loop whose variable the guard may use)."""
+    if guard is None:
+        return nest(order, make(True))
+    *mine, inner = order
+    ranges = {lp.var: (lp.start, lp.stop - 1) for lp in loops}
+    terms = list(guard.values) if isinstance(guard, BoolOp) and guard.op == "and" else [guard]
+    hoisted = [t for t in terms if inner.var not in _vars(t)]
+    own = [t for t in terms if t not in hoisted]
+    lo, hi, rest = inner.start, inner.stop, []
+    for t in own:
+        bound = _interior(t, inner.var, ranges)
+        if bound is None:
+            rest.append(t)
+        else:
+            lo, hi = max(lo, bound[0]), min(hi, bound[1])
+    pieces = ([(inner.start, lo, _conj(own)), (lo, hi, _conj(rest)), (hi, inner.stop, _conj(own))]
+              if lo < hi else [(inner.start, inner.stop, _conj(own))])
+    body = tuple(replace(inner, start=a, stop=b, body=Block((make(c),)))
+                 for a, b, c in pieces if a < b)
+    stmt = body[0] if len(body) == 1 else Block(body)
+    if hoisted:
+        off = make(False)
+        stmt = If(_conj(hoisted), Block((stmt,)),
+                  Block((replace(inner, body=Block((off,))),) if off is not None else ()))
+    return nest(mine, stmt) if mine else stmt
+
+
+def _vars(e) -> set[str]:
+    return {v for n in walk(e) if isinstance(n, Affine) for v in n.vars} | {
+        n.name for n in walk(e) if isinstance(n, Var)}
+
+
+def _conj(terms: list):
+    """The conjunction of ``terms`` (``True`` for none)."""
+    return True if not terms else terms[0] if len(terms) == 1 else BoolOp("and", tuple(terms))
+
+
+def _interior(term, var: str, ranges: dict) -> tuple[int, int] | None:
+    """The range ``[lo, hi)`` of ``var`` on which ``term`` (``affine >= c`` or ``affine < c``)
+    holds for every value of the other variables in ``ranges``; None if not of that form."""
+    if not (isinstance(term, Compare) and term.op in (">=", "<") and isinstance(term.lhs, Affine)
+            and isinstance(term.rhs, Const) and isinstance(term.rhs.value, int)):
+        return None
+    k = term.lhs.coef(var)
+    rest = term.lhs.substitute(var, Affine())
+    if k == 0 or not rest.vars <= ranges.keys():
+        return None
+    low = rest.const + sum(c * ranges[v][0 if c > 0 else 1] for v, c in rest.terms)
+    high = rest.const + sum(c * ranges[v][1 if c > 0 else 0] for v, c in rest.terms)
+    c = term.rhs.value
+    big = 1 << 40
+    if term.op == ">=":   # k*var + rest >= c for every rest
+        return (-((low - c) // k), big) if k > 0 else (-big, (c - low) // k + 1)
+    # k*var + rest < c for every rest: k*var <= c - 1 - high
+    return (-big, (c - 1 - high) // k + 1) if k > 0 else (-((high - c + 1) // k), big)
 
 
 def _window_load(e, windowed) -> bool:
