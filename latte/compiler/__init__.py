@@ -114,7 +114,7 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
         bufs.value(ens), bufs.grad(ens)
     dead = frozenset(bufs.grad(e) for e in net.ensembles
                      if isinstance(e, DataEnsemble) and not getattr(e, "needs_grad", False))
-    budget = cache_sizes()[2] // 2   # a tile's working set: half of L2
+    budget = cache_sizes()[2]   # a tile's working set: the L2 (Occam: "fits in the cache")
     plans = []
     for ens in net.ensembles:
         if isinstance(ens, Ensemble):
