@@ -336,25 +336,42 @@ class Access:
     written: bool
     index: tuple | None = None              # a ref's index (None for a GEMM operand)
     block: tuple[tuple[int, int], ...] = ()  # a GEMM operand's (stride, extent) of rows, cols
+    view: tuple[int, ...] = ()              # a ref's view
+    loops: tuple[tuple[str, int, int], ...] = ()   # (var, start, stop) of the loops around it
 
     @property
     def span(self) -> int:
         """Elements between the first and last of a GEMM block (0 for a ref)."""
         return sum(stride * (extent - 1) for stride, extent in self.block)
 
+    def ranges(self) -> dict[str, tuple[int, int]]:
+        """The first and last value of each loop variable around the access."""
+        return {v: (start, stop - 1) for v, start, stop in self.loops}
+
 
 def accesses(node: Node) -> list[Access]:
-    """Every buffer access below ``node``: refs (stores marked) and GEMM operand blocks."""
+    """Every buffer access below ``node`` (``node`` included): refs (stores marked) and GEMM
+    operand blocks, each with the loops around it."""
     stores = {id(r) for r in written_refs(node)}
-    out = [Access(r.buffer, r.offset(), id(r) in stores, r.index)
-           for r in walk(node) if isinstance(r, Ref)]
-    for g in walk(node):
-        if isinstance(g, Gemm):
-            a_rows, a_cols = (g.k, g.m) if g.trans_a else (g.m, g.k)
-            b_rows, b_cols = (g.n, g.k) if g.trans_b else (g.k, g.n)
-            out += [Access(g.a_buf, g.a_off, False, block=((g.lda, a_rows), (1, a_cols))),
-                    Access(g.b_buf, g.b_off, False, block=((g.ldb, b_rows), (1, b_cols))),
-                    Access(g.c_buf, g.c_off, True, block=((g.ldc, g.m), (1, g.n)))]
+    out: list[Access] = []
+
+    def visit(n: Node, loops: tuple) -> None:
+        if isinstance(n, Loop):
+            loops = (*loops, (n.var, n.start, n.stop))
+        if isinstance(n, Ref):
+            out.append(Access(n.buffer, n.offset(), id(n) in stores, n.index, view=n.view,
+                              loops=loops))
+        elif isinstance(n, Gemm):
+            a_rows, a_cols = (n.k, n.m) if n.trans_a else (n.m, n.k)
+            b_rows, b_cols = (n.n, n.k) if n.trans_b else (n.k, n.n)
+            out.extend((
+                Access(n.a_buf, n.a_off, False, block=((n.lda, a_rows), (1, a_cols)), loops=loops),
+                Access(n.b_buf, n.b_off, False, block=((n.ldb, b_rows), (1, b_cols)), loops=loops),
+                Access(n.c_buf, n.c_off, True, block=((n.ldc, n.m), (1, n.n)), loops=loops)))
+        for c in children(n):
+            visit(c, loops)
+
+    visit(node, ())
     return out
 
 

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from latte.compiler.ir import Block, Kernel, Loop, accesses, walk
+from latte.compiler.ir import Block, Kernel, Loop, accesses
 from latte.compiler.passes.tiling import tile_loop
 
 
@@ -39,34 +39,36 @@ def _same_space(a, b) -> bool:
 
 def _legal(a: Loop, b: Loop) -> bool:
     tile = tile_loop(a)
-    extents = {n.var: n.extent for n in walk(a) if isinstance(n, Loop)}
-    extents.update({n.var: n.extent for n in walk(b) if isinstance(n, Loop)})
     in_a, in_b = accesses(a), accesses(b)
     written = {x.buffer for x in in_a + in_b if x.written}
     shared = written & {x.buffer for x in in_a} & {x.buffer for x in in_b}
     rows = set()
     for x in in_a + in_b:
         if x.buffer in shared:
-            r = _tile_rows(x.buffer, x.offset, list(x.block), a.var, tile.var, extents)
+            r = _tile_rows(x, a.var, tile.var)
             if r is None:
                 return False
             rows.add(r)
     return len(rows) <= 1
 
 
-def _tile_rows(buf, off, extra, batch: str, tile: str, extents) -> tuple[int, int] | None:
-    """``(dim, rows per tile)`` if the access touches, in tile ``t`` of a batch item, only rows
-    ``[t * rows, (t + 1) * rows)`` of one dimension of ``buf`` (and nothing of other items)."""
+def _tile_rows(x, batch: str, tile: str) -> tuple[int, int] | None:
+    """``(dim, rows per tile)`` if access ``x`` touches, in tile ``t`` of a batch item, only
+    rows ``[t * rows, (t + 1) * rows)`` of one dimension of its buffer (and nothing of other
+    items)."""
+    buf, off, loops = x.buffer, x.offset, {v: (start, stop) for v, start, stop in x.loops}
     if off is None or not buf.batched or off.coef(batch) != buf.size // buf.shape[0]:
         return None
-    terms = [(c, extents[v]) for v, c in off.terms if v not in (batch, tile)] + extra
-    if any(v not in extents for v, _ in off.terms) or np.prod([e for _, e in terms]) > 1 << 22:
+    terms = [(c, loops[v]) for v, c in off.terms if v not in (batch, tile) and v in loops]
+    terms += [(c, (0, e)) for c, e in x.block]
+    if (any(v not in loops for v, _ in off.terms)
+            or np.prod([stop - start for _, (start, stop) in terms]) > 1 << 22):
         return None
-    if extents[tile] == 1:
+    if loops[tile][1] - loops[tile][0] == 1:
         return 0, 0   # one tile: the batch item is the unit
     addr = np.array([off.const])
-    for c, e in terms:
-        addr = (addr[:, None] + c * np.arange(e)).ravel()
+    for c, (start, stop) in terms:
+        addr = (addr[:, None] + c * np.arange(start, stop)).ravel()
     if addr.min() < 0 or addr.max() + off.coef(tile) >= buf.size:
         return None
     here = np.unravel_index(addr, buf.shape)
