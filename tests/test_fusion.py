@@ -18,9 +18,10 @@ import pytest
 from helpers import WeightedSumLoss, fill, fill_labels
 
 import latte.compiler
-from latte import Net
+from latte import Net, Phase
 from latte.compiler import machine
-from latte.compiler.ir import Loop, LoopKind, walk
+from latte.compiler.ir import Loop, LoopKind, accesses, walk
+from latte.lang import NormalizationEnsemble
 from latte.stdlib import (
     ConvolutionLayer,
     FullyConnectedLayer,
@@ -36,8 +37,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 # ---------------------------------------------------------------- running and comparing
 def _run(build, opt_level: int, threads: int, seed: int = 0) -> tuple[Net, dict[str, np.ndarray]]:
-    """Build ``net, inputs = build(Net(...))``, feed seeded inputs, run forward and backward;
-    the values of every ensemble, the loss, the input gradients and every parameter gradient."""
+    """Build ``net, inputs = build(Net(...))``, feed seeded inputs, run a test forward (the
+    loss and the values the loss layers read), then forward and backward: the values of
+    every ensemble, the loss, the input gradients and every parameter gradient."""
     net = Net(build.batch, opt_level=opt_level, num_threads=threads, seed=seed)
     x, label = build(net)
     net.init()
@@ -45,8 +47,12 @@ def _run(build, opt_level: int, threads: int, seed: int = 0) -> tuple[Net, dict[
     fill(net, x, rng)
     if label is not None:
         fill_labels(net, label, build.classes, rng)
+    net.forward(Phase.TEST)
+    out = {"test:loss": np.array(net.loss)}
+    out |= {f"test:{i.name}": net.value(i).copy() for e in net.ensembles
+            if isinstance(e, NormalizationEnsemble) for i in e.inputs}
     net.forward()
-    out = {f"value:{e.name}": net.value(e).copy() for e in net.ensembles if e is not label}
+    out |= {f"value:{e.name}": net.value(e).copy() for e in net.ensembles if e is not label}
     out["loss"] = np.array(net.loss)
     net.backward()
     out[f"grad:{x.name}"] = net.grad(x).copy()
@@ -355,6 +361,35 @@ def test_fused_tiles_compute_what_unfused_code_computes(monkeypatch):
 
     net = _compare(block, threads=2)
     assert _fused_kernels(net) == ["conv+relu+pool+mean.forward", "conv+relu+pool+mean.backward"]
+    _assert_line_buffers(net, ["conv"], shift=[])   # the mean's own nest reads the pool
+
+
+def _assert_line_buffers(net, inner: list[str], shift: list[str]) -> None:
+    """The test forward of the net's one fused group keeps the values of ``inner`` in
+    per-thread line buffers of a few rows (rows carried to the next tile move down at the
+    end of each tile for ``shift``), and stores no arg-max; the training forward keeps
+    every value and the arg-max."""
+    (group,) = net.program.groups
+    (train,) = [k for s in net.program.forward if hasattr(s, "kernels") for k in s.kernels
+                if k.name == f"{group.name}.forward"]
+    (test,) = [k for s in net.program.test if hasattr(s, "kernels") for k in s.kernels
+               if k.name == f"{group.name}.forward"]
+    touched = {a.buffer.name: a.buffer for a in accesses(test.body)}
+    for name in inner:
+        assert f"{name}.value" in {a.buffer.name for a in accesses(train.body)}
+        assert f"{name}.value" not in touched
+        lines = touched[f"{name}.value.lines"]
+        ens = next(p.ensemble for p in group.plans if p.ensemble.name == name)
+        assert lines.shape[0] == net.num_threads and lines.shape[1] == ens.shape[0]
+        assert group.rows[ens] <= lines.shape[2] < ens.shape[1]
+        assert lines.shape[3:] == ens.shape[2:]
+    written = {a.buffer.name for a in accesses(test.body) if a.written}
+    assert "pool.argmax" not in written and "pool.argmax" in {
+        a.buffer.name for a in accesses(train.body) if a.written}
+    moves = [s for t in _loops(test, LoopKind.TILE_OUTER) for s in t.body.stmts
+             if isinstance(s, Loop) and s.var.startswith("_ln")]
+    assert sorted(a.buffer.name for m in moves for a in accesses(m) if a.written) == sorted(
+        f"{name}.value.lines" for name in shift)
 
 
 def test_conv_after_conv_fuses_with_a_skewed_schedule(monkeypatch):
@@ -377,6 +412,7 @@ def test_conv_after_conv_fuses_with_a_skewed_schedule(monkeypatch):
     net = _compare(vgg_block, threads=2)
     name = "conv1+relu1+conv2+relu2+pool"
     assert _fused_kernels(net) == [f"{name}.forward", f"{name}.backward"]
+    _assert_line_buffers(net, ["conv1", "conv2"], shift=["conv1"])
     for kernel in _live(net).values():
         (tile,) = _loops(kernel, LoopKind.TILE_OUTER)
         assert dict(tile.meta)["skew"] == 1

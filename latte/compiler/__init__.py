@@ -24,6 +24,7 @@ from latte.compiler.ir import (
     Load,
     Loop,
     Ref,
+    accesses,
     walk,
 )
 from latte.compiler.jit import CodeLibrary, target
@@ -32,8 +33,10 @@ from latte.compiler.mapping import ConnAccess, analyze_connection, fit_index_map
 from latte.compiler.passes import (
     copy_windows,
     distribute_loops,
+    drop_stores,
     fold_zero_init,
     fuse_nests,
+    localize,
     match_gemm,
     parallelize,
     prune_dead_gradients,
@@ -87,6 +90,7 @@ class Program:
     buffers: BufferPlan
     forward: list
     backward: list
+    test: list            # the forward of Phase.TEST (fused intermediates in line buffers)
     update: list          # SGD update segments (one per parameter when split)
     params: list[tuple[Ensemble, str]]
     plans: list[EnsemblePlan]
@@ -166,6 +170,7 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     params = [(e, f.name) for e in net.ensembles if isinstance(e, Ensemble) for f in e.params]
     by_ens = {p.ensemble: p for p in plans}
     forward = _steps(net.ensembles, by_ens, "forward", "fwd", split_segments)
+    test = _test_steps(forward, groups, bufs)
     backward = _steps(reversed(net.ensembles), by_ens, "backward", "bwd", split_segments)
     zero = parallelize(Kernel("zero_grads", _zero_grads(net, bufs, dead | pre_zeroed), None,
                               "backward"), bufs)
@@ -176,7 +181,7 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     kernels = [parallelize(k, bufs) for k in _update_kernels(params, bufs)]
     update = ([Segment(f"update{p}", (k,)) for p, k in enumerate(kernels)] if split_segments
               else [Segment("update", tuple(kernels))])
-    program = Program(bufs, forward, backward, update, params, plans, opt_level, groups=groups,
+    program = Program(bufs, forward, backward, test, update, params, plans, opt_level, groups=groups,
                       budget=budget)
     # codegen: every segment into one LLVM module, then O3 + JIT (or the disk cache)
     index = {b: i for i, b in enumerate(bufs.buffers.values())}
@@ -190,7 +195,34 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
 
 
 def _segments(program: Program):
-    return [s for s in program.forward + program.backward if isinstance(s, Segment)] + program.update
+    steps = program.forward + program.backward + [s for s in program.test if s not in program.forward]
+    return [s for s in steps if isinstance(s, Segment)] + program.update
+
+
+def _test_steps(forward: list, groups: list, bufs: BufferPlan) -> list:
+    """The forward steps of ``Phase.TEST``. No backward follows, so ``Batch`` fields that
+    forward only writes (a max-pool's arg-max) are not stored, and each fused group keeps
+    the intermediate values nothing after it reads (its members' but the last one's) in
+    per-thread line buffers."""
+    kernels = [k for s in forward if isinstance(s, Segment) for k in s.kernels]
+    found = {id(k): accesses(k.body) for k in kernels}
+    hosts = {bufs.value(i) for s in forward if isinstance(s, HostStep) for i in s.ensemble.inputs}
+    read = hosts | {a.buffer for k in kernels for a in found[id(k)] if not a.written}
+    dead = {a.buffer for k in kernels for a in found[id(k)] if a.written and a.buffer.batched
+            and a.buffer.key[1] not in ("value", "grad")} - read
+    owners = {id(g.owner("forward").kernels["forward"]): g for g in groups}
+    test = {}
+    for k in kernels:
+        kernel = drop_stores(k, dead)
+        if id(k) in owners:
+            values = [bufs.value(p.ensemble) for p in owners[id(k)].plans]
+            elsewhere = hosts | {a.buffer for o in kernels if o is not k for a in found[id(o)]}
+            kernel = localize(kernel, set(values[:-1]) - {values[-1]} - elsewhere, bufs)
+        if kernel is not k:
+            test[id(k)] = kernel
+    return [Segment(f"test_{s.name}", tuple(test.get(id(k), k) for k in s.kernels))
+            if isinstance(s, Segment) and any(id(k) in test for k in s.kernels) else s
+            for s in forward]
 
 
 def _steps(ensembles, by_ens, phase: str, prefix: str, split: bool = False) -> list:

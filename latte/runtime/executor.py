@@ -34,11 +34,12 @@ class Executor:
         self._update_grads = ({s.name: [memory[b] for b in _param_grads(s, program)]
                                for s in program.update} if comm is not None else {})
         self._fns = {}
-        segments = [s for s in program.forward + program.backward if isinstance(s, Segment)]
+        segments = [s for s in program.forward + program.backward + program.test
+                    if isinstance(s, Segment)]
         for seg in segments + program.update:
             self._fns[seg.name] = _SEGMENT(program.library.address(seg.name))
         self._table = ctypes.cast(memory.table, ctypes.c_void_p)
-        steps = program.forward + program.backward + program.update
+        steps = program.forward + program.backward + program.test + program.update
         fused = {(g.owner(phase).ensemble, phase): g.name
                  for g in program.groups for phase in ("forward", "backward")}
         self._labels = ({id(s): step_label(s, fused) for s in steps} if profile is not None
@@ -73,12 +74,13 @@ class Executor:
             profile.add(labels[id(step)], phase, clock() - start)
 
     def forward(self, valid: int, phase: str = "forward") -> None:
-        """Run the forward steps; ``phase`` (``"forward"`` or ``"test"``) names the profile
-        column the time goes to."""
+        """Run the forward steps of ``phase``: ``"forward"`` (training) or ``"test"`` (no
+        backward follows: fused groups keep their intermediates in line buffers)."""
+        steps = self.program.test if phase == "test" else self.program.forward
         if self.profile is None:
-            self._run(self.program.forward, valid)
+            self._run(steps, valid)
         else:
-            self._run_profiled(self.program.forward, valid, phase)
+            self._run_profiled(steps, valid, phase)
 
     def backward(self, valid: int) -> None:
         if self.comm is not None:

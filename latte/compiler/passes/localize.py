@@ -1,0 +1,193 @@
+"""Inference: a fused group's intermediate values in per-thread line buffers (paper 5.4.2,
+Occam's row buffers).
+
+A ``Phase.TEST`` forward runs no backward, so nothing reads a fused group's intermediates
+(a conv's output inside conv -> ReLU -> conv -> pool, a pool's arg-max) once the group is
+done. Such a buffer ``(batch, channels, rows, ...)`` becomes a per-thread buffer of the rows
+one iteration ``t`` of the group's tile loop touches, ``[step*t + lo, step*t + hi)``: row
+``y`` lives at ``y - step*t - lo``. Under a skewed schedule (a 3x3 conv a tile behind its
+producer) consecutive iterations share rows; after each iteration they shift down by one
+step, which turns the buffer into Occam's rolling line buffer without modular indexing.
+
+Everything is checked on the kernel itself: every access to the buffer lies in the one tile
+loop, its row index is affine in ``t`` with the same ``step`` everywhere, a GEMM operand
+walks whole rows of channels. Anything else leaves the buffer where it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from latte.compiler.ir import (
+    Affine,
+    Assign,
+    Block,
+    Buffer,
+    Gemm,
+    Kernel,
+    Load,
+    Loop,
+    Ref,
+    accesses,
+    rewrite,
+)
+from latte.compiler.passes.data_copy import TID
+from latte.compiler.passes.tiling import tile_loop
+
+ROW = 2   # (batch, channels, rows, cols, ...): buffers of (channels, rows, cols) ensembles
+
+
+def drop_stores(kernel: Kernel, dead: set[Buffer]) -> Kernel:
+    """``kernel`` without its stores to ``dead`` (buffers nothing reads afterwards)."""
+    def fn(node):
+        if isinstance(node, Assign) and isinstance(node.target, Ref) and node.target.buffer in dead:
+            return Block()
+        return None
+    return rewrite(kernel, fn) if any(a.buffer in dead for a in accesses(kernel.body)) else kernel
+
+
+def localize(kernel: Kernel, candidates: set[Buffer], bufs) -> Kernel:
+    """``kernel`` with each of ``candidates`` that only one tiled nest of it touches moved into
+    a line buffer of that nest."""
+    stmts = list(kernel.body.stmts)
+    touched = [{a.buffer for a in accesses(s)} for s in stmts]
+    for buf in sorted(candidates, key=lambda b: b.name):
+        users = [i for i, t in enumerate(touched) if buf in t]
+        if len(users) != 1 or tile_loop(stmts[users[0]]) is None:
+            continue
+        batch = stmts[users[0]]
+        tile = tile_loop(batch)
+        window = _window(tile, batch.var, buf)
+        if window is None:
+            continue
+        step, lo, hi = window
+        if hi - lo > step and dict(batch.meta).get("collapse", 1) > 1:
+            continue   # rows carried between iterations need the tiles of an item in order
+        stmts[users[0]] = replace(batch, body=Block((_move(tile, batch.var, buf, window, bufs),)))
+    if all(a is b for a, b in zip(stmts, kernel.body.stmts)):
+        return kernel
+    return replace(kernel, body=Block(tuple(stmts)))
+
+
+def _window(tile: Loop, n: str, buf: Buffer) -> tuple[int, int, int] | None:
+    """``(step, lo, hi)``: iteration ``t`` of ``tile`` touches rows ``[step*t + lo,
+    step*t + hi)`` of ``buf``; None if some access does not fit the pattern."""
+    if len(buf.shape) < 4 or not buf.batched:
+        return None
+    steps, lows, highs = set(), [], []
+    for acc in accesses(tile.body):
+        if acc.buffer is not buf:
+            continue
+        rows = _ref_rows(acc, n) if acc.index is not None else _gemm_rows(acc, n)
+        if rows is None:
+            return None
+        row, count = rows
+        rest, ranges = row.substitute(tile.var, Affine()), acc.ranges()
+        if not rest.vars <= ranges.keys():
+            return None
+        steps.add(row.coef(tile.var))
+        lows.append(rest.const + sum(c * ranges[v][0 if c > 0 else 1] for v, c in rest.terms))
+        highs.append(rest.const + count + sum(c * ranges[v][1 if c > 0 else 0] for v, c in rest.terms))
+    if len(steps) != 1 or not lows:
+        return None
+    return steps.pop(), min(lows), max(highs)
+
+
+def _ref_rows(acc, n: str) -> tuple[Affine, int] | None:
+    """The row a ref touches (one); None unless it indexes the whole buffer with the batch
+    index ``n``."""
+    if (acc.view != acc.buffer.shape or acc.index[0] != Affine.of(n)
+            or not isinstance(acc.index[ROW], Affine)):
+        return None
+    return acc.index[ROW], 1
+
+
+def _gemm_rows(acc, n: str) -> tuple[Affine, int] | None:
+    """The first row a GEMM operand touches (affine) and how many; None unless it walks
+    whole rows of a block of channels of batch item ``n``."""
+    split = _split_offset(acc.offset, n, acc.buffer)
+    if split is None:
+        return None
+    row_len = _row_len(acc.buffer)
+    (ld, _), (_, ncols) = acc.block
+    if ld != row_len * acc.buffer.shape[ROW] or ncols % row_len:
+        return None
+    return split[1], ncols // row_len
+
+
+def _row_len(buf: Buffer) -> int:
+    size = 1
+    for d in buf.shape[ROW + 1:]:
+        size *= d
+    return size
+
+
+def _split_offset(off: Affine | None, n: str, buf: Buffer) -> tuple[Affine, Affine] | None:
+    """A GEMM operand's flat offset as ``(channel, row)``: the batch term must be ``n``,
+    the other terms whole planes (channels) or whole rows."""
+    if off is None:
+        return None
+    row_len = _row_len(buf)
+    plane = row_len * buf.shape[ROW]
+    item = plane * buf.shape[1]
+    if off.coef(n) != item:
+        return None
+    chan, row = {}, {}
+    for v, c in off.terms:
+        if v == n:
+            continue
+        if c % plane == 0:
+            chan[v] = c // plane
+        elif c % row_len == 0:
+            row[v] = c // row_len
+        else:
+            return None
+    c0 = round(off.const / plane)
+    rem = off.const - c0 * plane
+    if rem % row_len:
+        return None
+    return Affine.build(chan, c0), Affine.build(row, rem // row_len)
+
+
+def _move(tile: Loop, n: str, buf: Buffer, window: tuple[int, int, int], bufs) -> Loop:
+    """``tile`` with ``buf`` replaced by a per-thread line buffer of ``hi - lo`` rows."""
+    step, lo, hi = window
+    rows = hi - lo
+    line = bufs.scratch((buf.key, "lines"), f"{buf.name}.lines", (buf.shape[1], rows, *buf.shape[ROW + 1:]))
+    base = Affine.of(tile.var, step, lo)          # the buffer's row 0 in iteration t
+    tid = Affine.of(TID)
+    row_len = _row_len(buf)
+
+    def fn(node):
+        if isinstance(node, Ref) and node.buffer is buf:
+            index = list(node.index)
+            index[0], index[ROW] = tid, index[ROW] - base
+            return Ref(line, tuple(index), line.shape)
+        if isinstance(node, Gemm) and buf in (node.a_buf, node.b_buf, node.c_buf):
+            return _move_gemm(node, n, buf, line, base, row_len)
+        return None
+
+    body = rewrite(tile.body, fn)
+    if rows > step:   # rows the next iteration reads again move down by one step
+        c, r, x = (f"_ln{i}" for i in range(3))
+        width = row_len
+        src = Ref(line, (tid, Affine.of(c), Affine.of(r, 1, step), Affine.of(x)),
+                  (line.shape[0], line.shape[1], line.shape[2], width))
+        dst = Ref(line, (tid, Affine.of(c), Affine.of(r), Affine.of(x)), src.view)
+        shift = Loop(c, 0, line.shape[1], Block((Loop(r, 0, rows - step, Block((
+            Loop(x, 0, width, Block((Assign(dst, Load(src)),))),))),)))
+        body = Block((*body.stmts, shift))
+    return replace(tile, body=body)
+
+
+def _move_gemm(g: Gemm, n: str, buf: Buffer, line: Buffer, base: Affine, row_len: int) -> Gemm:
+    rows = line.shape[2]
+    changes = {}
+    for op in ("a", "b", "c"):
+        if getattr(g, f"{op}_buf") is not buf:
+            continue
+        chan, row = _split_offset(getattr(g, f"{op}_off"), n, buf)
+        off = Affine.of(TID, line.size // line.shape[0]) + chan * (rows * row_len) + (row - base) * row_len
+        changes.update({f"{op}_buf": line, f"{op}_off": off, f"ld{op}": rows * row_len})
+    return replace(g, **changes)
+
