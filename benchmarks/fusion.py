@@ -18,12 +18,14 @@ Three benchmarks, one table each, medians measured in the same run:
 Frameworks: ``latte-o2`` and ``latte-o3`` (``Net(opt_level=...)``), PyTorch eager in NCHW
 (``torch``) and channels_last (``torch-cl``), and onnxruntime (``ort``: the PyTorch module
 exported with ``torch.onnx.export``, ``intra_op_num_threads`` = the thread count, all graph
-optimizations, so its own conv + ReLU fusion). latte's forward is a training-mode pass (max
-pooling keeps its arg-max for backward); PyTorch's forward runs under
-``torch.inference_mode()``, like onnxruntime's; forward + backward is a training pass in
-both. latte's backward starts from the zeroed gradient of the last layer, PyTorch's from a
-random one (the same dense loops either way). Inputs are written once, outside the timed
-region.
+optimizations, so its own conv + ReLU fusion). ``fwd`` is inference: latte's
+``net.forward(Phase.TEST)`` (fused groups keep intermediates in line buffers, max pooling
+stores no arg-max), PyTorch under ``torch.inference_mode()``, onnxruntime; ``train fwd`` is
+latte's training forward (every value and arg-max kept for backward); forward + backward is
+a training pass in both. For ``vgg_block1`` a figure-13 table follows: the same forward and
+forward + backward at each opt level 0-3, each level against the one before. latte's
+backward starts from the zeroed gradient of the last layer, PyTorch's from a random one
+(the same dense loops either way). Inputs are written once, outside the timed region.
 
 Each (benchmark, framework, threads) runs in its own worker process (see ``harness.py``);
 workers keep freed memory (``harness.KEEP_FREED_MEMORY``) unless ``--stock-malloc``. Ratios
@@ -119,12 +121,18 @@ def _groups(net) -> str:
 
 def latte_worker(bench: str, opt_level: int, threads: int, repeat: int, warmup: int,
                  depth: int = 0) -> dict:
+    from latte import Phase
+
     net = _latte_net(bench, opt_level, threads, depth)
-    out = {"fwd": median_ms(net.forward, warmup=warmup, repeat=repeat),
+    if opt_level == 0:   # plain loops: seconds per pass
+        repeat, warmup = 1, 0
+    out = {"fwd": median_ms(lambda: net.forward(Phase.TEST), warmup=warmup, repeat=repeat),
            "groups": len(getattr(net.program, "groups", [])),
            "note": f"OpenBLAS {openblas_core()}; {_groups(net)}"}
+    if bench != "stack":
+        out["train_fwd"] = median_ms(net.forward, warmup=warmup, repeat=repeat)
     if bench != "stack" and BLOCKS[bench][3]:
-        half_repeat, half_warmup = _halved(repeat, warmup)
+        half_repeat, half_warmup = _halved(repeat, warmup) if opt_level else (1, 0)
         out["fwd_bwd"] = median_ms(fwd_bwd(net), warmup=half_warmup, repeat=half_repeat)
     return out
 
@@ -241,18 +249,19 @@ def _ratio(r: dict | None, base: dict | None, key: str) -> str:
 
 def block_table(bench: str, args, env: dict) -> str:
     backward = BLOCKS[bench][3]
-    rows = []
+    rows, by_threads = [], {}
     for threads in args.threads:
-        res = {fw: run_worker(__file__, f"{bench}/{fw}", threads, worker_options(args), env)
-               for fw in FRAMEWORKS}
+        res = by_threads[threads] = {
+            fw: run_worker(__file__, f"{bench}/{fw}", threads, worker_options(args), env)
+            for fw in FRAMEWORKS}
         base = res["latte-o3"]
         for fw, r in res.items():
             if r is None:
-                rows.append([fw, threads, "-", "", "-"] + (["-", ""] if backward else [])
+                rows.append([fw, threads, "-", "", "-", "-"] + (["-", ""] if backward else [])
                             + ["not available"])
                 continue
             row = [fw, threads, _ms(r, "fwd"), _ratio(r, base, "fwd"),
-                   f"{_flops(bench) / r['fwd'] / 1e6:.0f}"]
+                   f"{_flops(bench) / r['fwd'] / 1e6:.0f}", _ms(r, "train_fwd")]
             if backward:
                 row += [_ms(r, "fwd_bwd"), _ratio(r, base, "fwd_bwd")]
             rows.append(row + [r["note"]])
@@ -262,10 +271,38 @@ def block_table(bench: str, args, env: dict) -> str:
     head = (f"{bench}: {convs}, max-pool 2 on {h}x{w}, batch {batch}; median of {args.repeat} "
             f"(fwd)" + (f" and {_halved(args.repeat, args.warmup)[0]} (fwd+bwd)" if backward else "")
             + f", {malloc_note(args)}")
-    header = ["framework", "threads", "fwd ms", "/latte-o3", "conv GFLOP/s"]
+    header = ["framework", "threads", "fwd ms", "/latte-o3", "conv GFLOP/s", "train fwd ms"]
     if backward:
         header += ["fwd+bwd ms", "/latte-o3"]
-    return head + "\n" + table(rows, header + ["notes"])
+    return head + "\n" + table(rows, header + ["notes"]), by_threads[max(args.threads)]
+
+
+STEPS = (  # the Latte paper's figure 13: each opt level adds optimizations to the one before
+    ("latte-o0", "plain loops from the neuron code, one thread"),
+    ("latte-o1", "+ loop distribution, im2col data copy, GEMMs, zero-init folding"),
+    ("latte-o2", "+ row-plane tiling, parallel batch x tiles"),
+    ("latte-o3", "+ cross-layer fusion; inference: line buffers, no arg-max stores"),
+)
+
+
+def breakdown_table(bench: str, args, env: dict, measured: dict) -> str:
+    """Forward (inference) and forward + backward per opt level at the largest thread count
+    (opt levels 0 and 1 run one thread: threads come with level 2), each against the one
+    before; ``measured`` holds the block table's runs of levels 2 and 3."""
+    threads = max(args.threads)
+    rows, prev = [], None
+    for fw, what in STEPS:
+        r = measured.get(fw) or run_worker(__file__, f"{bench}/{fw}", threads,
+                                           worker_options(args), env)
+        row = [fw, what]
+        for key in ("fwd", "train_fwd", "fwd_bwd"):
+            row += [_ms(r, key), _ratio(prev, r, key)]
+        rows.append(row)
+        prev = r
+    header = ["level", "adds", "fwd ms", "speedup", "train fwd ms", "speedup", "fwd+bwd ms",
+              "speedup"]
+    return (f"{bench} by opt level (figure 13), {threads} threads from level 2; level 0 runs "
+            f"once\n" + table(rows, header))
 
 
 def stack_table(args, env: dict) -> str:
@@ -301,7 +338,10 @@ def main() -> None:
     print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}, "
           f"OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE', '(unset)')}\n", flush=True)
     for bench in BLOCKS:
-        print(block_table(bench, args, env) + "\n", flush=True)
+        text, measured = block_table(bench, args, env)
+        print(text + "\n", flush=True)
+        if BLOCKS[bench][3]:
+            print(breakdown_table(bench, args, env, measured) + "\n", flush=True)
     print(stack_table(args, env))
     print(f"\n{load.note()}")
 
