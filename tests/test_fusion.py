@@ -368,7 +368,7 @@ def _assert_line_buffers(net, inner: list[str], shift: list[str]) -> None:
     """The test forward of the net's one fused group keeps the values of ``inner`` in
     per-thread line buffers of a few rows (rows carried to the next tile move down at the
     end of each tile for ``shift``), and stores no arg-max; the training forward keeps
-    every value and the arg-max."""
+    every value."""
     (group,) = net.program.groups
     (train,) = [k for s in net.program.forward if hasattr(s, "kernels") for k in s.kernels
                 if k.name == f"{group.name}.forward"]
@@ -383,9 +383,7 @@ def _assert_line_buffers(net, inner: list[str], shift: list[str]) -> None:
         assert lines.shape[0] == net.num_threads and lines.shape[1] == ens.shape[0]
         assert group.rows[ens] <= lines.shape[2] < ens.shape[1]
         assert lines.shape[3:] == ens.shape[2:]
-    written = {a.buffer.name for a in accesses(test.body) if a.written}
-    assert "pool.argmax" not in written and "pool.argmax" in {
-        a.buffer.name for a in accesses(train.body) if a.written}
+    assert "pool.argmax" not in {a.buffer.name for a in accesses(test.body) if a.written}
     moves = [s for t in _loops(test, LoopKind.TILE_OUTER) for s in t.body.stmts
              if isinstance(s, Loop) and s.var.startswith("_ln")]
     assert sorted(a.buffer.name for m in moves for a in accesses(m) if a.written) == sorted(
@@ -433,3 +431,43 @@ def test_halos_end_groups_when_the_batch_cannot_feed_the_threads(monkeypatch):
     assert [g.name for g in net.program.groups] == ["conv1+relu1", "conv2+relu2+pool"]
     for kernel in _live(net).values():
         assert all("skew" not in dict(t.meta) for t in _loops(kernel, LoopKind.TILE_OUTER))
+
+
+def _argmax_writes(net) -> dict[str, set[str]]:
+    """Per phase, the arg-max buffers the fused group's kernel writes."""
+    (group,) = net.program.groups
+    return {phase: {a.buffer.name for a in accesses(group.owner(phase).kernels[phase].body)
+                    if a.written and "argmax" in a.buffer.name} for phase in ("forward", "backward")}
+
+
+def test_pool_after_relu_recomputes_its_argmax_in_backward(monkeypatch):
+    """The ReLU's backward reads the pool's input rows anyway (its mask), so recomputing the
+    arg-max per tile costs no off-chip bytes against two passes over the arg-max; training
+    forward stores none, backward recomputes it into a per-thread tile buffer, and the
+    gradients equal plain loops (test above)."""
+    _set_l2(monkeypatch, SMALL_L2)
+    net = _pooled_conv(3, threads=2)
+    (group,) = net.program.groups
+    choice = group.choices["pool"]
+    argmax = net.program.buffers.field(group.plans[-1].ensemble, "argmax")
+    assert choice.recompute and choice.recompute_bytes == 0
+    assert choice.keep_bytes == 2 * argmax.size * 4
+    assert _argmax_writes(net) == {"forward": set(), "backward": {"pool.argmax.lines"}}
+
+
+def test_pool_after_conv_keeps_its_argmax(monkeypatch):
+    """Without a ReLU nothing in the group's backward reads the conv's output, so
+    recomputing would load it again (four values per arg-max): the arg-max is kept."""
+    _set_l2(monkeypatch, SMALL_L2)
+
+    @_net(batch=2)
+    def conv_pool(net):
+        x = MemoryDataLayer(net, "x", (3, 32, 32))
+        conv = ConvolutionLayer("conv", net, x, 8, 3, pad=1)
+        WeightedSumLoss(net, "loss", MaxPoolingLayer("pool", net, conv, 2))
+        return x, None
+
+    net = _compare(conv_pool, threads=2)
+    choice = net.program.groups[0].choices["pool"]
+    assert not choice.recompute and choice.recompute_bytes > choice.keep_bytes
+    assert _argmax_writes(net) == {"forward": {"pool.argmax"}, "backward": set()}

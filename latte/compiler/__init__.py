@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from latte.compiler.buffers import BufferPlan
 from latte.compiler.codegen import ModuleBuilder
-from latte.compiler.fusion import ROW_DIM, fusion_groups, merge
+from latte.compiler.fusion import ROW_DIM, fusion_groups, keep_or_recompute, merge
 from latte.compiler.ir import (
     Affine,
     Assign,
@@ -155,6 +155,8 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
             pre_zeroed |= folded
             plan.kernels[phase] = kernel
     for group in groups:
+        # what backward needs (a pool's arg-max): kept, or recomputed per tile if cheaper
+        keep_or_recompute(group, bufs)
         for phase in ("forward", "backward"):
             fused = merge(group, phase)
             for plan in group.plans:
@@ -165,8 +167,15 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
             # nests over the same tiles run tile by tile; batch x tiles across threads,
             # private gradients reduced in thread order
             kernel = parallelize(fuse_nests(plan.kernels[phase]), bufs)
-            _dump("ir", f"{kernel.name} optimized", format_ir(kernel))
             plan.kernels[phase] = kernel
+    for group in groups:
+        # recomputed fields live in per-thread tile buffers of the backward group
+        owner = group.owner("backward")
+        again = {b for c in group.choices.values() if c.recompute for b in c.fields}
+        owner.kernels["backward"] = localize(owner.kernels["backward"], again, bufs)
+    for plan in plans if opt_level >= 2 else ():
+        for phase in ("forward", "backward"):
+            _dump("ir", f"{plan.kernels[phase].name} optimized", format_ir(plan.kernels[phase]))
     params = [(e, f.name) for e in net.ensembles if isinstance(e, Ensemble) for f in e.params]
     by_ens = {p.ensemble: p for p in plans}
     forward = _steps(net.ensembles, by_ens, "forward", "fwd", split_segments)

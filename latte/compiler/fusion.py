@@ -19,7 +19,7 @@ producer's rows are still in cache when the consumer reads them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from latte.compiler import planner
 from latte.compiler.buffers import storage_owner
@@ -33,10 +33,12 @@ from latte.compiler.ir import (
     Kernel,
     Loop,
     Var,
+    accesses,
     substitute,
     walk,
 )
 from latte.compiler.mapping import tile_local
+from latte.compiler.passes.localize import drop_stores
 from latte.compiler.passes.tiling import (
     FLOAT_BYTES,
     ensemble_chain,
@@ -44,7 +46,7 @@ from latte.compiler.passes.tiling import (
     tile_boxes,
     tile_loop,
 )
-from latte.lang import ActivationEnsemble, NormalizationEnsemble
+from latte.lang import ActivationEnsemble, FieldKind, NormalizationEnsemble
 
 ROW_DIM = 1   # ensembles are (channels, rows, cols): tiles are row planes
 
@@ -57,6 +59,7 @@ class Group:
     rows: dict          # ensemble -> tile rows
     footprint: int      # bytes one tile of the whole group touches
     links: tuple = ()   # per member after the first: 1 where it reads its producer's halo
+    choices: dict = field(default_factory=dict)   # member name -> Choice (keep or recompute)
 
     def owner(self, phase: str):
         """The member whose kernel runs the group in ``phase`` (the first to run)."""
@@ -188,6 +191,56 @@ def _boxes(plan, rows: int) -> dict:
     return boxes
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What a member does with the ``Batch`` fields its backward reads (a max-pool's arg-max),
+    and the off-chip bytes the planner estimates for each way."""
+
+    fields: tuple          # the fields' buffers
+    keep_bytes: int        # stored in forward, loaded in backward
+    recompute_bytes: int   # inputs backward must load again to recompute them per tile
+
+    @property
+    def recompute(self) -> bool:
+        return self.recompute_bytes < self.keep_bytes
+
+
+def keep_or_recompute(group: Group, bufs) -> None:
+    """Per member whose backward reads ``Batch`` fields its forward writes: keep them (their
+    bytes are written in forward and read in backward) or recompute them in backward, tile by
+    tile, with the member's own forward loops (which cost the bytes of the inputs that no
+    member's backward loads in the same tile anyway: a pool after a ReLU recomputes its
+    arg-max from the rows whose mask the ReLU's backward reads). The cheaper estimate wins;
+    recomputing rewrites the member's kernels and records a :class:`Choice`."""
+    loaded = {a.buffer for p in group.plans for a in accesses(p.kernels["backward"].body)
+                  if not a.written}
+    for plan in group.plans:
+        ens, fwd, bwd = plan.ensemble, plan.kernels["forward"], plan.kernels["backward"]
+        mine = [bufs.field(ens, f.name) for f in ens.fields.values() if f.spec.kind is FieldKind.BATCH]
+        written = {a.buffer for a in accesses(fwd.body) if a.written}
+        kept = tuple(b for b in mine if b in written and b in {a.buffer for a in accesses(bwd.body)})
+        if not kept:
+            continue
+        value = bufs.value(ens)
+        nests = [s for s in fwd.body.stmts if {a.buffer for a in accesses(s)} & set(kept)]
+        found = [a for s in nests for a in accesses(s)]
+        if (any(tile_loop(s) is None for s in nests)
+                or any(a.buffer in (value, *kept) and not a.written for a in found)):
+            continue   # recomputing needs tiled loops that do not read what they produce
+        inputs = {a.buffer for a in found if not a.written and a.buffer.batched} - loaded
+        choice = Choice(kept, 2 * sum(b.size for b in kept) * FLOAT_BYTES,
+                        sum(b.size for b in inputs) * FLOAT_BYTES)
+        group.choices[ens.name] = choice
+        if not choice.recompute:
+            continue
+        again = [drop_stores(s, {value}) for s in nests]
+        plan.kernels["forward"] = replace(fwd, body=Block(tuple(
+            drop_stores(s, set(kept)) for s in fwd.body.stmts)))
+        first = next(i for i, s in enumerate(bwd.body.stmts) if tile_loop(s) is not None)
+        stmts = bwd.body.stmts
+        plan.kernels["backward"] = replace(bwd, body=Block((*stmts[:first], *again, *stmts[first:])))
+
+
 def merge(group: Group, phase: str) -> Kernel:
     """The members' kernels of ``phase`` as one kernel (backward runs in reverse order). With
     a halo link the members' tile loops become one, skewed: iteration ``t`` runs tile
@@ -256,4 +309,9 @@ def describe(groups: list[Group], budget: int) -> list[str]:
         rows = ", ".join(f"{p.ensemble.name} {g.rows[p.ensemble]}" for p in g.plans)
         out.append(f"  group {g.name}: tile rows {rows}; working set per tile "
                    f"{g.footprint / 1024:.0f} KiB (budget {budget / 1024:.0f} KiB)")
+        for c in g.choices.values():
+            fields = ", ".join(b.name for b in c.fields)
+            out.append(f"    {fields}: {'recomputed in backward' if c.recompute else 'kept'} "
+                       f"(estimated off-chip bytes: keep {c.keep_bytes / 2**20:.2f} MiB, "
+                       f"recompute {c.recompute_bytes / 2**20:.2f} MiB)")
     return out

@@ -37,13 +37,14 @@ from latte.compiler.passes.tiling import tile_loop
 ROW = 2   # (batch, channels, rows, cols, ...): buffers of (channels, rows, cols) ensembles
 
 
-def drop_stores(kernel: Kernel, dead: set[Buffer]) -> Kernel:
-    """``kernel`` without its stores to ``dead`` (buffers nothing reads afterwards)."""
-    def fn(node):
-        if isinstance(node, Assign) and isinstance(node.target, Ref) and node.target.buffer in dead:
+def drop_stores(node, dead: set[Buffer]):
+    """``node`` (a kernel or a statement) without its stores to ``dead`` (buffers nothing
+    reads afterwards)."""
+    def fn(n):
+        if isinstance(n, Assign) and isinstance(n.target, Ref) and n.target.buffer in dead:
             return Block()
         return None
-    return rewrite(kernel, fn) if any(a.buffer in dead for a in accesses(kernel.body)) else kernel
+    return rewrite(node, fn) if any(a.buffer in dead for a in accesses(node)) else node
 
 
 def localize(kernel: Kernel, candidates: set[Buffer], bufs) -> Kernel:
