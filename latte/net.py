@@ -119,7 +119,9 @@ class Net(Graph):
         return seen
 
     def forward(self, phase: Phase = Phase.TRAIN) -> None:
-        """Load the next batch from every data source and run the forward pass."""
+        """Load the next batch from every data source and run the forward pass. A
+        ``Phase.TEST`` pass runs the test program: at opt level 3 the values inside a fused
+        group (all but its last member's) stay in line buffers, not in ``value``."""
         self._ready()
         self.phase = phase
         column = "test" if phase is Phase.TEST else "forward"
