@@ -317,7 +317,7 @@ def stack_table(args, env: dict) -> str:
             o2, o3 = res[2], res[3]
             row += [_ms(o2, "fwd"), _ms(o3, "fwd"), _ratio(o2, o3, "fwd")]
             if o3:
-                groups = f"{o3['groups']} of {depth} (pool, ReLU) pairs"
+                groups = f"{o3['groups']} group(s) over {2 * depth} layers"
                 notes.add(o3["note"].split("; ")[0])
         rows.append(row + [groups])
     header = ["N"]

@@ -1,16 +1,18 @@
-"""Inference: a fused group's intermediate values in per-thread line buffers (paper 5.4.2,
-Occam's row buffers).
+"""Line buffers: a fused group's intermediates in per-thread buffers of a few rows (paper
+5.4.2, Occam's row buffers).
 
-A ``Phase.TEST`` forward runs no backward, so nothing reads a fused group's intermediates
-(a conv's output inside conv -> ReLU -> conv -> pool, a pool's arg-max) once the group is
-done. Such a buffer ``(batch, channels, rows, ...)`` becomes a per-thread buffer of the rows
-one iteration ``t`` of the group's tile loop touches, ``[step*t + lo, step*t + hi)``: row
-``y`` lives at ``y - step*t - lo``. Under a skewed schedule (a 3x3 conv a tile behind its
-producer) consecutive iterations share rows; after each iteration they shift down by one
-step, which turns the buffer into Occam's rolling line buffer without modular indexing.
+A ``Phase.TEST`` forward runs no backward, so nothing reads a fused group's intermediate
+values (a conv's output inside conv -> ReLU -> conv -> pool) once the group is done; in
+training, a ``Batch`` field that backward recomputes per tile (a max-pool's arg-max) is
+read only in the tile that recomputed it. Such a buffer ``(batch, channels, rows, ...)``
+becomes a per-thread buffer of the rows one iteration ``t`` of the group's tile loop
+touches, ``[step*t + lo, step*t + hi)``: row ``y`` lives at ``y - step*t - lo``. Under a
+skewed schedule (a 3x3 conv a tile behind its producer) consecutive iterations share rows;
+after each iteration they shift down by one step, which turns the buffer into Occam's
+rolling line buffer without modular indexing.
 
-Everything is checked on the kernel itself: every access to the buffer lies in the one tile
-loop, its row index is affine in ``t`` with the same ``step`` everywhere, a GEMM operand
+Everything is checked on the kernel itself: every access to the buffer lies in one tiled
+nest, its row index is affine in ``t`` with the same ``step`` everywhere, a GEMM operand
 walks whole rows of channels. Anything else leaves the buffer where it was.
 """
 
