@@ -20,6 +20,7 @@ from helpers import WeightedSumLoss, fill, fill_labels
 import latte.compiler
 from latte import Net, Phase
 from latte.compiler import machine
+from latte.compiler.explain import explain_program
 from latte.compiler.ir import Loop, LoopKind, accesses, walk
 from latte.lang import NormalizationEnsemble
 from latte.stdlib import (
@@ -411,6 +412,10 @@ def test_conv_after_conv_fuses_with_a_skewed_schedule(monkeypatch):
     name = "conv1+relu1+conv2+relu2+pool"
     assert _fused_kernels(net) == [f"{name}.forward", f"{name}.backward"]
     _assert_line_buffers(net, ["conv1", "conv2"], shift=["conv1"])
+    text = explain_program(net.program)
+    assert "pool.argmax: recomputed in backward (estimated off-chip bytes: keep " in text
+    assert "    pool.argmax: 8 x " in text and ", training backward" in text
+    assert "    conv1.value: 8 x " in text and ", test forward" in text
     for kernel in _live(net).values():
         (tile,) = _loops(kernel, LoopKind.TILE_OUTER)
         assert dict(tile.meta)["skew"] == 1
