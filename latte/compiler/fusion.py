@@ -213,7 +213,7 @@ def keep_or_recompute(group: Group, bufs) -> None:
     arg-max from the rows whose mask the ReLU's backward reads). The cheaper estimate wins;
     recomputing rewrites the member's kernels and records a :class:`Choice`."""
     loaded = {a.buffer for p in group.plans for a in accesses(p.kernels["backward"].body)
-                  if not a.written}
+              if not a.written}
     for plan in group.plans:
         ens, fwd, bwd = plan.ensemble, plan.kernels["forward"], plan.kernels["backward"]
         mine = [bufs.field(ens, f.name) for f in ens.fields.values() if f.spec.kind is FieldKind.BATCH]
@@ -223,8 +223,9 @@ def keep_or_recompute(group: Group, bufs) -> None:
             continue
         value = bufs.value(ens)
         nests = [s for s in fwd.body.stmts if {a.buffer for a in accesses(s)} & set(kept)]
+        users = [s for s in bwd.body.stmts if {a.buffer for a in accesses(s)} & set(kept)]
         found = [a for s in nests for a in accesses(s)]
-        if (any(tile_loop(s) is None for s in nests)
+        if (any(tile_loop(s) is None for s in nests + users)
                 or any(a.buffer in (value, *kept) and not a.written for a in found)):
             continue   # recomputing needs tiled loops that do not read what they produce
         inputs = {a.buffer for a in found if not a.written and a.buffer.batched} - loaded
@@ -233,11 +234,11 @@ def keep_or_recompute(group: Group, bufs) -> None:
         group.choices[ens.name] = choice
         if not choice.recompute:
             continue
-        again = [drop_stores(s, {value}) for s in nests]
+        again = tuple(drop_stores(s, {value}) for s in nests)
         plan.kernels["forward"] = replace(fwd, body=Block(tuple(
             drop_stores(s, set(kept)) for s in fwd.body.stmts)))
-        first = next(i for i, s in enumerate(bwd.body.stmts) if tile_loop(s) is not None)
         stmts = bwd.body.stmts
+        first = next(i for i, s in enumerate(stmts) if s is users[0])
         plan.kernels["backward"] = replace(bwd, body=Block((*stmts[:first], *again, *stmts[first:])))
 
 
