@@ -9,6 +9,7 @@ from helpers import WeightedSumLoss, check_gradients, fill
 
 from latte import Net
 from latte.compiler.ir import Gemm, Loop, LoopKind, walk
+from latte.compiler.passes.tiling import MIN_TILE, heights
 from latte.stdlib import (
     ConvolutionLayer,
     FullyConnectedLayer,
@@ -120,6 +121,21 @@ def test_tile_metadata_records_the_dependence_along_the_tiled_dimension():
     assert tiles["pool1"]["scale"] == 2 and tiles["pool1"]["halo"] == 0   # 2 rows, stride 2
     assert tiles["conv2"]["scale"] == 2 and tiles["conv2"]["halo"] == 1   # 3 rows, stride 2
     assert 18 % tiles["conv1"]["tile_size"] == 0
+
+
+def test_tiles_are_the_smallest_wide_enough_for_a_gemm():
+    """A row of the conv is 16 wide, so a tile needs 16 rows for MIN_TILE (256) elements per
+    channel: of 18 or 24 rows, the smallest such divisor is the whole image; of 32, 16."""
+    assert heights(12, lambda t: t * 64 >= MIN_TILE) == [4, 6, 12, 3, 2, 1]
+    assert heights(7, lambda t: False) == [7, 1]
+    for rows, want in ((18, 18), (24, 24), (32, 16)):
+        net = Net(2, opt_level=2, seed=0)
+        x = MemoryDataLayer(net, "x", (3, rows, 16))
+        ConvolutionLayer("conv1", net, x, 8, 3, pad=1)
+        net.init()
+        (tile,) = [n for n in walk(net.program.plans[0].kernels["forward"].body)
+                   if isinstance(n, Loop) and n.kind is LoopKind.TILE_OUTER]
+        assert dict(tile.meta)["tile_size"] == want
 
 
 def test_weight_gradients_accumulate_in_private_buffers():

@@ -6,9 +6,10 @@ in which each consumer is the only reader of its producer and tile ``T`` of the 
 reads only tile ``T`` of the producer: isl
 decides this on the access relation (:func:`~latte.compiler.mapping.tile_local`). Tile
 heights are scaled by the strides along the chain (a 2x2 stride-2 pool after a conv doubles
-the conv's tile, figure 11), and the group's largest tile whose working set fits the cache
-budget wins. The members' kernels are then concatenated (forward in order, backward in
-reverse) and :func:`~latte.compiler.passes.fuse_nests` fuses their tile loops.
+the conv's tile, figure 11); of the tilings whose working set fits the cache budget, the
+group takes the one a single nest would (:func:`~latte.compiler.passes.tiling.heights`).
+The members' kernels are then concatenated (forward in order, backward in reverse) and
+:func:`~latte.compiler.passes.fuse_nests` fuses their tile loops.
 
 A consumer that also reads rows of the neighbouring producer tiles (a 3x3 conv after a
 conv: a halo no taller than a tile) joins the group with a skewed schedule: it runs one tile
@@ -19,6 +20,7 @@ producer's rows are still in cache when the consumer reads them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from latte.compiler import planner
@@ -41,7 +43,9 @@ from latte.compiler.mapping import tile_local
 from latte.compiler.passes.localize import drop_stores
 from latte.compiler.passes.tiling import (
     FLOAT_BYTES,
+    MIN_TILE,
     ensemble_chain,
+    heights,
     is_batch_loop,
     tile_boxes,
     tile_loop,
@@ -141,7 +145,9 @@ def _fit(chain: list, budget: int, max_lag: int) -> list[Group]:
 
 def _rows(chain: list, budget: int, max_lag: int) -> tuple[dict, int, tuple] | None:
     last = chain[-1].ensemble.shape[ROW_DIM]
-    for r in [r for r in range(last, 0, -1) if last % r == 0]:
+    scale = math.prod(_scale(p) for p in chain[1:])
+    first = chain[0].ensemble.shape
+    for r in heights(last, lambda r: r * scale * math.prod(first[ROW_DIM + 1:]) >= MIN_TILE):
         tiles, sizes = last // r, [r]
         for plan in reversed(chain[1:]):
             sizes.insert(0, sizes[0] * _scale(plan))
