@@ -98,7 +98,7 @@ def _copy(s: Loop, bufs, key: tuple):
         else:
             compute = Block((nest(order, Assign(ref, Const(0.0))), compute))
         scatter = AugAssign(aug.target, "+", Load(ref))
-        return nest(outer, compute, split_guard(order, guard, lambda cond: (
+        return nest(outer, compute, _split_guard(order, guard, lambda cond: (
             scatter if cond is True else None if cond is False else If(cond, Block((scatter,)))),
             outer + inner))
     if guard is not None or not isinstance(aug.value, BinOp) or aug.value.op != "*":
@@ -115,13 +115,13 @@ def _copy(s: Loop, bufs, key: tuple):
         return None
     value = aug.value.lhs if i == 0 else aug.value.rhs
     guard, load = (value.cond, value.if_true) if isinstance(value, Select) else (None, value)
-    gather = split_guard(order, guard, lambda cond: Assign(ref, (
+    gather = _split_guard(order, guard, lambda cond: Assign(ref, (
         load if cond is True else Const(0.0) if cond is False else Select(cond, load, Const(0.0)))),
         outer + inner)
     return nest(outer, gather, compute)
 
 
-def split_guard(order: list[Loop], guard, make, loops: list[Loop]):
+def _split_guard(order: list[Loop], guard, make, loops: list[Loop]):
     """The nest ``order`` around ``make(cond)``, a statement that runs under a padding ``guard``
     (``make(True)``: unguarded; ``make(False)``: the guard fails, ``None`` for no statement).
     The interior runs without tests: the guard's terms that do not depend on the innermost
