@@ -32,6 +32,8 @@ def _locality(program) -> list[str]:
     chain = planner_chain(program.plans)
     if len(chain) > 1 and program.budget:
         batch, budget = program.buffers.batch_size, program.budget
+        out += ["", "planners' traffic model (rows: the tallest tiles that fit; the groups above "
+                "take the lowest that is wide enough):"]
         for plan in (occam(chain, budget, batch=batch), brainslug(chain, budget, batch=batch)):
             out.append("")
             out.extend("  " + line for line in plan.format().splitlines())
