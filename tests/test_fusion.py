@@ -227,7 +227,7 @@ def _random_chain(seed: int):
 
 
 N_CHAINS = 30
-# L2 sizes the compiler is told (tiles' working sets get half): small images need a small
+# L2 sizes the compiler is told (the tile budget): small images need a small
 # cache to be cut into several tiles; None keeps the machine's
 L2_SIZES = (None, 32 << 10, 8 << 10)
 
@@ -262,7 +262,7 @@ def test_random_chains_exercise_fusion(fused_chains):
 
 
 # ---------------------------------------------------------------- what fuses, and how
-SMALL_L2 = 64 << 10   # a 32 KiB tile budget cuts a 32x32 image into several tiles
+SMALL_L2 = 64 << 10   # a 64 KiB tile budget cuts a 32x32 image into several tiles
 
 
 def _pooled_conv(opt_level: int, threads: int = 1, mean: bool = False):
