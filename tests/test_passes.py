@@ -25,6 +25,7 @@ from latte.compiler.ir import (
     walk,
 )
 from latte.compiler.passes import distribute_loops, match_gemm
+from latte.compiler.passes.localize import _gemm_row
 
 # ---------------------------------------------------------------- a tiny IR interpreter
 
@@ -279,3 +280,21 @@ def test_distribution_refuses_a_carried_dependence():
                   Assign(_ref(z, "n"), Load(_ref(y, Affine.of("n", 1, 1))))))  # reads y[n+1]
     kernel = Kernel("k", Block((Loop("n", 0, 5, body),)))
     assert distribute_loops(kernel) == kernel
+
+
+# ---------------------------------------------------------------- line buffers
+def test_line_buffers_take_gemm_offsets_apart_only_when_rows_are_unambiguous():
+    """A GEMM operand's flat offset into (batch, channels, rows, cols) = (2, 4, 8, 5): rows
+    move with the tile variable, by whole rows or (one tile per image) whole planes; an
+    offset that could be a channel (a constant plane, a channel loop) is refused."""
+    buf = Buffer(("t", "value"), "t.value", (2, 4, 8, 5), batched=True)
+    item, plane, row = 160, 40, 5
+
+    def off(terms, const=0):
+        return Affine.build({"n": item, **terms}, const)
+    assert _gemm_row(off({"t": 2 * row}, -row), "n", "t", buf) == Affine.build({"t": 2}, -1)
+    assert _gemm_row(off({"t": plane}), "n", "t", buf) == Affine.build({"t": 8})
+    assert _gemm_row(off({}, plane), "n", "t", buf) is None          # channel 1, or row 8?
+    assert _gemm_row(off({"c": plane}), "n", "t", buf) is None       # a channel loop
+    assert _gemm_row(off({"t": 3}), "n", "t", buf) is None           # not whole rows
+    assert _gemm_row(Affine.build({"n": 1}), "n", "t", buf) is None  # not per batch item

@@ -81,7 +81,7 @@ def _window(tile: Loop, n: str, buf: Buffer) -> tuple[int, int, int] | None:
     for acc in accesses(tile.body):
         if acc.buffer is not buf:
             continue
-        rows = _ref_rows(acc, n) if acc.index is not None else _gemm_rows(acc, n)
+        rows = _ref_rows(acc, n) if acc.index is not None else _gemm_rows(acc, n, tile.var)
         if rows is None:
             return None
         row, count = rows
@@ -105,17 +105,15 @@ def _ref_rows(acc, n: str) -> tuple[Affine, int] | None:
     return acc.index[ROW], 1
 
 
-def _gemm_rows(acc, n: str) -> tuple[Affine, int] | None:
+def _gemm_rows(acc, n: str, t: str) -> tuple[Affine, int] | None:
     """The first row a GEMM operand touches (affine) and how many; None unless it walks
     whole rows of a block of channels of batch item ``n``."""
-    split = _split_offset(acc.offset, n, acc.buffer)
-    if split is None:
-        return None
+    row = _gemm_row(acc.offset, n, t, acc.buffer)
     row_len = _row_len(acc.buffer)
     (ld, _), (_, ncols) = acc.block
-    if ld != row_len * acc.buffer.shape[ROW] or ncols % row_len:
+    if row is None or ld != row_len * acc.buffer.shape[ROW] or ncols % row_len:
         return None
-    return split[1], ncols // row_len
+    return row, ncols // row_len
 
 
 def _row_len(buf: Buffer) -> int:
@@ -125,31 +123,20 @@ def _row_len(buf: Buffer) -> int:
     return size
 
 
-def _split_offset(off: Affine | None, n: str, buf: Buffer) -> tuple[Affine, Affine] | None:
-    """A GEMM operand's flat offset as ``(channel, row)``: the batch term must be ``n``,
-    the other terms whole planes (channels) or whole rows."""
-    if off is None:
-        return None
+def _gemm_row(off: Affine | None, n: str, t: str, buf: Buffer) -> Affine | None:
+    """The first row a GEMM operand's flat offset addresses, from channel 0 of batch item
+    ``n``; None unless every other term is whole rows and only the tile variable ``t`` moves
+    by whole channel planes. A flat offset cannot tell a channel offset from rows, so
+    operands that start at another channel keep their buffer."""
     row_len = _row_len(buf)
     plane = row_len * buf.shape[ROW]
-    item = plane * buf.shape[1]
-    if off.coef(n) != item:
+    if off is None or off.coef(n) != plane * buf.shape[1]:
         return None
-    chan, row = {}, {}
-    for v, c in off.terms:
-        if v == n:
-            continue
-        if c % plane == 0:
-            chan[v] = c // plane
-        elif c % row_len == 0:
-            row[v] = c // row_len
-        else:
-            return None
-    c0 = round(off.const / plane)
-    rem = off.const - c0 * plane
-    if rem % row_len:
+    rest = off.substitute(n, Affine())
+    if (rest.const % row_len or not 0 <= rest.const // row_len + buf.shape[ROW] < 2 * buf.shape[ROW]
+            or any(c % row_len or (c % plane == 0 and v != t) for v, c in rest.terms)):
         return None
-    return Affine.build(chan, c0), Affine.build(row, rem // row_len)
+    return Affine.build({v: c // row_len for v, c in rest.terms}, rest.const // row_len)
 
 
 def _move(tile: Loop, n: str, buf: Buffer, window: tuple[int, int, int], bufs) -> Loop:
@@ -167,30 +154,31 @@ def _move(tile: Loop, n: str, buf: Buffer, window: tuple[int, int, int], bufs) -
             index[0], index[ROW] = tid, index[ROW] - base
             return Ref(line, tuple(index), line.shape)
         if isinstance(node, Gemm) and buf in (node.a_buf, node.b_buf, node.c_buf):
-            return _move_gemm(node, n, buf, line, base, row_len)
+            return _move_gemm(node, n, tile.var, buf, line, base)
         return None
 
     body = rewrite(tile.body, fn)
     if rows > step:   # rows the next iteration reads again move down by one step
         c, r, x = (f"_ln{i}" for i in range(3))
-        width = row_len
         src = Ref(line, (tid, Affine.of(c), Affine.of(r, 1, step), Affine.of(x)),
-                  (line.shape[0], line.shape[1], line.shape[2], width))
+                  (line.shape[0], line.shape[1], line.shape[2], row_len))
         dst = Ref(line, (tid, Affine.of(c), Affine.of(r), Affine.of(x)), src.view)
         shift = Loop(c, 0, line.shape[1], Block((Loop(r, 0, rows - step, Block((
-            Loop(x, 0, width, Block((Assign(dst, Load(src)),))),))),)))
+            Loop(x, 0, row_len, Block((Assign(dst, Load(src)),))),))),)))
         body = Block((*body.stmts, shift))
     return replace(tile, body=body)
 
 
-def _move_gemm(g: Gemm, n: str, buf: Buffer, line: Buffer, base: Affine, row_len: int) -> Gemm:
+def _move_gemm(g: Gemm, n: str, t: str, buf: Buffer, line: Buffer, base: Affine) -> Gemm:
+    """``g`` with its operands on ``buf`` moved to ``line`` (rows relative to ``base``)."""
+    row_len = _row_len(buf)
     rows = line.shape[2]
     changes = {}
     for op in ("a", "b", "c"):
         if getattr(g, f"{op}_buf") is not buf:
             continue
-        chan, row = _split_offset(getattr(g, f"{op}_off"), n, buf)
-        off = Affine.of(TID, line.size // line.shape[0]) + chan * (rows * row_len) + (row - base) * row_len
+        row = _gemm_row(getattr(g, f"{op}_off"), n, t, buf)
+        off = Affine.of(TID, line.size // line.shape[0]) + (row - base) * row_len
         changes.update({f"{op}_buf": line, f"{op}_off": off, f"ld{op}": rows * row_len})
     return replace(g, **changes)
 
