@@ -41,8 +41,8 @@ class Net(Graph):
     """A network of ensembles; ``init()`` compiles it, ``forward``/``backward`` run it.
 
     ``profile=True`` (or ``latte run --profile``) compiles one native segment per ensemble
-    and times each: ``net.profile`` (a :class:`~latte.runtime.profile.Profile`) then holds
-    per-ensemble forward/backward time; it is None otherwise.
+    (or fused group) and times each: ``net.profile`` (a :class:`~latte.runtime.profile.Profile`)
+    then holds per-ensemble forward/backward time; it is None otherwise.
     """
 
     def __init__(self, batch_size: int, *, num_threads: int | None = None, opt_level: int = 3,

@@ -99,6 +99,11 @@ class Program:
     groups: list = field(default_factory=list)   # fused groups (opt level 3)
     budget: int = 0                               # bytes a tile's working set may use
 
+    def segments(self) -> list[Segment]:
+        """Every native segment, each once (the test forward shares unchanged ones)."""
+        steps = self.forward + self.backward + [s for s in self.test if s not in self.forward]
+        return [s for s in steps if isinstance(s, Segment)] + self.update
+
 
 def _dump(kind: str, title: str, text: str) -> None:
     if kind in os.environ.get("LATTE_DUMP", "").split(","):
@@ -195,17 +200,12 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     # codegen: every segment into one LLVM module, then O3 + JIT (or the disk cache)
     index = {b: i for i, b in enumerate(bufs.buffers.values())}
     mb = ModuleBuilder(index, bufs.threads)
-    for seg in _segments(program):
+    for seg in program.segments():
         mb.add_segment(seg.name, list(seg.kernels))
     ir_text = str(mb.module)
     _dump("llvm", "LLVM IR", ir_text)
     program.library = target().compile(ir_text)
     return program
-
-
-def _segments(program: Program):
-    steps = program.forward + program.backward + [s for s in program.test if s not in program.forward]
-    return [s for s in steps if isinstance(s, Segment)] + program.update
 
 
 def _test_steps(forward: list, groups: list, bufs: BufferPlan) -> list:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from llvmlite import ir
 
 from latte.compiler.ir import (
+    TID,
     Affine,
     Assign,
     AugAssign,
@@ -42,7 +43,6 @@ I8P = ir.IntType(8).as_pointer()
 PTR = ir.PointerType(F32)
 FAST = ("reassoc", "contract", "nsz")
 SGEMM = "scipy_cblas_sgemm"
-TID = "_tid"   # the thread number inside a parallel loop (0 outside)
 _FCMP = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from latte.compiler import Segment
 from latte.compiler.fusion import describe, planner_chain
 from latte.compiler.ir import Gemm, accesses, walk
+from latte.compiler.passes.tiling import FLOAT_BYTES
 from latte.compiler.planner import brainslug, occam
 from latte.compiler.printer import fmt_stmt, format_ir
 
@@ -20,14 +21,14 @@ def _locality(program) -> list[str]:
         out.append("fused groups (tile by tile):")
         out += describe(program.groups, program.budget)
     elif program.opt_level >= 3:
-        out.append("fused groups: none (no chain whose tile T reads only its producer's tile T)")
-    lines = [b for b in program.buffers.buffers.values() if b.name.endswith(".lines")]
+        out.append("fused groups: none (no chain of tiled layers that fuses legally within the budget)")
+    lines = [b for b in program.buffers.buffers.values() if b.key[-1] == "lines"]
     if lines:
         test = {a.buffer for s in program.test if isinstance(s, Segment) for k in s.kernels
                 for a in accesses(k.body)}
         out.append("  line buffers (per thread: channels x rows x the rest), instead of whole buffers:")
         out += [f"    {b.name[:-len('.lines')]}: {' x '.join(map(str, b.shape[1:]))} "
-                f"({b.size // b.shape[0] * 4 / 1024:.0f} KiB), "
+                f"({b.size // b.shape[0] * FLOAT_BYTES / 1024:.0f} KiB), "
                 f"{'test forward' if b in test else 'training backward'}" for b in lines]
     chain = planner_chain(program.plans)
     if len(chain) > 1 and program.budget:

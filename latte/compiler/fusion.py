@@ -24,7 +24,6 @@ import math
 from dataclasses import dataclass, field, replace
 
 from latte.compiler import planner
-from latte.compiler.buffers import storage_owner
 from latte.compiler.ir import (
     Affine,
     Block,
@@ -112,8 +111,6 @@ def _consumes(net, producer, plan) -> bool:
     if isinstance(ens, ActivationEnsemble):   # in place: reads its source's own tile
         return ens.source is prod and _tileable(plan)
     if not _tileable(plan) or len(plan.accesses) != 1 or plan.accesses[0].dims is None:
-        return False
-    if storage_owner(plan.accesses[0].conn.source) is not storage_owner(prod):
         return False
     readers = [c for c in net.connections if c.source is prod]
     host = [e for e in net.ensembles if isinstance(e, NormalizationEnsemble) and prod in e.inputs]
@@ -216,21 +213,24 @@ def keep_or_recompute(group: Group, bufs) -> None:
     bytes are written in forward and read in backward) or recompute them in backward, tile by
     tile, with the member's own forward loops (which cost the bytes of the inputs that no
     member's backward loads in the same tile anyway: a pool after a ReLU recomputes its
-    arg-max from the rows whose mask the ReLU's backward reads). The cheaper estimate wins;
-    recomputing rewrites the member's kernels and records a :class:`Choice`."""
+    arg-max from the rows whose mask the ReLU's backward reads). Each decision is recorded as
+    a :class:`Choice`; where recomputing is cheaper, it rewrites the member's kernels."""
     loaded = {a.buffer for p in group.plans for a in accesses(p.kernels["backward"].body)
               if not a.written}
     for plan in group.plans:
         ens, fwd, bwd = plan.ensemble, plan.kernels["forward"], plan.kernels["backward"]
         mine = [bufs.field(ens, f.name) for f in ens.fields.values() if f.spec.kind is FieldKind.BATCH]
-        written = {a.buffer for a in accesses(fwd.body) if a.written}
-        kept = tuple(b for b in mine if b in written and b in {a.buffer for a in accesses(bwd.body)})
+        fwd_acc = {id(s): accesses(s) for s in fwd.body.stmts}
+        bwd_acc = {id(s): accesses(s) for s in bwd.body.stmts}
+        written = {a.buffer for found in fwd_acc.values() for a in found if a.written}
+        used = {a.buffer for found in bwd_acc.values() for a in found}
+        kept = tuple(b for b in mine if b in written and b in used)
         if not kept:
             continue
         value = bufs.value(ens)
-        nests = [s for s in fwd.body.stmts if {a.buffer for a in accesses(s)} & set(kept)]
-        users = [s for s in bwd.body.stmts if {a.buffer for a in accesses(s)} & set(kept)]
-        found = [a for s in nests for a in accesses(s)]
+        nests = [s for s in fwd.body.stmts if {a.buffer for a in fwd_acc[id(s)]} & set(kept)]
+        users = [s for s in bwd.body.stmts if {a.buffer for a in bwd_acc[id(s)]} & set(kept)]
+        found = [a for s in nests for a in fwd_acc[id(s)]]
         if (any(tile_loop(s) is None for s in nests + users)
                 or any(a.buffer in (value, *kept) and not a.written for a in found)):
             continue   # recomputing needs tiled loops that do not read what they produce

@@ -25,6 +25,9 @@ class Stmt(Node):
     """Base of statements."""
 
 
+TID = "_tid"   # the thread number inside a parallel loop (0 outside): indexes per-thread buffers
+
+
 # ---------------------------------------------------------------- buffers
 
 @dataclass(frozen=True, eq=False)
@@ -89,6 +92,15 @@ class Affine(Expr):
 
     def __mul__(self, k: int) -> Affine:
         return Affine.build({v: c * k for v, c in self.terms}, self.const * k)
+
+    def bounds(self, ranges: dict[str, tuple[int, int]]) -> tuple[int, int]:
+        """The least and greatest value when each variable runs over ``ranges[var] =
+        (first, last)``."""
+        lo = hi = self.const
+        for v, c in self.terms:
+            ends = (c * ranges[v][0], c * ranges[v][1])
+            lo, hi = lo + min(ends), hi + max(ends)
+        return lo, hi
 
     def substitute(self, var: str, repl: Affine) -> Affine:
         c = self.coeffs
@@ -308,7 +320,7 @@ def map_children(node: Node, fn: Callable[[Node], Node]) -> Node:
 
 def rewrite(node: Node, fn: Callable[[Node], Node | None]) -> Node:
     """Bottom-up rewrite: children first, then ``fn(node)`` (``None`` keeps the node)."""
-    if not isinstance(node, (Affine, Buffer)):
+    if not isinstance(node, Affine):
         node = map_children(node, lambda c: rewrite(c, fn))
     out = fn(node)
     return node if out is None else out

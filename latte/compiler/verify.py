@@ -2,22 +2,14 @@
 
 Run after synthesis, so that an out-of-range index in a neuron body (``self.weights[i + 1]``
 over the whole vector) is a compile error naming the ensemble and field, never a wild read
-or a segfault at run time. Refs under a guard (padding) are checked by their guard instead.
+or a segfault at run time. Refs under an ``if`` or a conditional expression (padding
+guards, the neuron's own ``if``) are not checked: their condition may keep them in range.
 """
 
 from __future__ import annotations
 
 from latte.compiler.ir import Affine, Block, If, Kernel, Load, Loop, Node, Ref, Select, children
 from latte.errors import CompileError
-
-
-def _range(a: Affine, loops: dict[str, tuple[int, int]]) -> tuple[int, int]:
-    lo = hi = a.const
-    for v, c in a.terms:
-        start, stop = loops[v]
-        ends = (c * start, c * (stop - 1))
-        lo, hi = lo + min(ends), hi + max(ends)
-    return lo, hi
 
 
 def verify_bounds(kernel: Kernel) -> None:
@@ -27,16 +19,16 @@ def verify_bounds(kernel: Kernel) -> None:
 
 def _visit(node: Node, loops: dict, kernel: Kernel) -> None:
     if isinstance(node, (If, Select)):
-        return  # guarded accesses: the guard keeps them in range
+        return  # conditional accesses: the condition may keep them in range
     if isinstance(node, Loop):
         if node.start >= node.stop:
             return
-        _visit(node.body, {**loops, node.var: (node.start, node.stop)}, kernel)
+        _visit(node.body, {**loops, node.var: (node.start, node.stop - 1)}, kernel)
         return
     if isinstance(node, Ref):
         for dim, (idx, extent) in enumerate(zip(node.index, node.view)):
             if isinstance(idx, Affine) and idx.vars <= loops.keys():
-                lo, hi = _range(idx, loops)
+                lo, hi = idx.bounds(loops)
                 if lo < 0 or hi >= extent:
                     raise CompileError(
                         f"{kernel.name}: index {lo}..{hi} of dimension {dim} of "

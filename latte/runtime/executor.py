@@ -24,7 +24,8 @@ class Executor:
     after the last backward segment that writes it, and later steps let it progress.
 
     With a :class:`Profile`, each step is timed and charged to the ensemble(s) it runs (the
-    program should then have one segment per ensemble: ``compile_net(split_segments=True)``).
+    program should then have one segment per ensemble or fused group:
+    ``compile_net(split_segments=True)``).
     """
 
     def __init__(self, program: Program, memory: Memory, comm: Communicator | None = None,
@@ -34,9 +35,7 @@ class Executor:
         self._update_grads = ({s.name: [memory[b] for b in _param_grads(s, program)]
                                for s in program.update} if comm is not None else {})
         self._fns = {}
-        segments = [s for s in program.forward + program.backward + program.test
-                    if isinstance(s, Segment)]
-        for seg in segments + program.update:
+        for seg in program.segments():
             self._fns[seg.name] = _SEGMENT(program.library.address(seg.name))
         self._table = ctypes.cast(memory.table, ctypes.c_void_p)
         steps = program.forward + program.backward + program.test + program.update

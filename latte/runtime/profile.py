@@ -1,8 +1,8 @@
 """Per-ensemble wall time, measured by a profiling executor (``Net(..., profile=True)``).
 
 Like Caffe's per-layer ``time`` breakdown: the net is compiled with one native segment per
-ensemble and phase, and the executor times each step with :func:`time.perf_counter`,
-attributing it to the ensemble(s) whose kernels the step runs.
+ensemble (or fused group) and phase, and the executor times each step with
+:func:`time.perf_counter`, attributing it to the ensemble(s) whose kernels the step runs.
 """
 
 from __future__ import annotations

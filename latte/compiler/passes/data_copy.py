@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from latte.compiler.ir import (
+    TID,
     Affine,
     Assign,
     AugAssign,
@@ -37,8 +38,6 @@ from latte.compiler.ir import (
 )
 from latte.compiler.passes.gemm import match_nest
 from latte.compiler.passes.tiling import is_batch_loop
-
-TID = "_tid"
 
 
 def copy_windows(kernel: Kernel, bufs) -> Kernel:
@@ -74,8 +73,7 @@ def _copy(s: Loop, bufs, key: tuple):
         return any(isinstance(c, Affine) and c.vars & window and c.vars & sink for c in ref.index)
 
     def tile_buffer(expr, tag: str):
-        used = {n.name for n in walk(expr) if isinstance(n, Var)} | {
-            v for n in walk(expr) if isinstance(n, Affine) for v in n.vars}
+        used = _vars(expr)
         order = ([lp for lp in inner if lp.var in used and lp.var in window]
                  + [lp for lp in inner if lp.var in used and lp.var not in window])
         shape = tuple(lp.extent for lp in order)
@@ -173,8 +171,7 @@ def _interior(term, var: str, ranges: dict) -> tuple[int, int] | None:
     rest = term.lhs.substitute(var, Affine())
     if k == 0 or not rest.vars <= ranges.keys():
         return None
-    low = rest.const + sum(c * ranges[v][0 if c > 0 else 1] for v, c in rest.terms)
-    high = rest.const + sum(c * ranges[v][1 if c > 0 else 0] for v, c in rest.terms)
+    low, high = rest.bounds(ranges)
     c = term.rhs.value
     big = 1 << 40
     if term.op == ">=":   # k*var + rest >= c for every rest

@@ -21,8 +21,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from latte.compiler.ir import (
+    TID,
     Affine,
     Assign,
+    AugAssign,
     Block,
     Buffer,
     Gemm,
@@ -33,20 +35,20 @@ from latte.compiler.ir import (
     accesses,
     rewrite,
 )
-from latte.compiler.passes.data_copy import TID
 from latte.compiler.passes.tiling import tile_loop
 
 ROW = 2   # (batch, channels, rows, cols, ...): buffers of (channels, rows, cols) ensembles
 
 
 def drop_stores(node, dead: set[Buffer]):
-    """``node`` (a kernel or a statement) without its stores to ``dead`` (buffers nothing
-    reads afterwards)."""
+    """``node`` (a kernel or a statement) without its stores (``=`` and ``+=``) to ``dead``,
+    buffers nothing reads afterwards."""
     def fn(n):
-        if isinstance(n, Assign) and isinstance(n.target, Ref) and n.target.buffer in dead:
+        if (isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Ref)
+                and n.target.buffer in dead):
             return Block()
         return None
-    return rewrite(node, fn) if any(a.buffer in dead for a in accesses(node)) else node
+    return rewrite(node, fn)
 
 
 def localize(kernel: Kernel, candidates: set[Buffer], bufs) -> Kernel:
@@ -89,8 +91,9 @@ def _window(tile: Loop, n: str, buf: Buffer) -> tuple[int, int, int] | None:
         if not rest.vars <= ranges.keys():
             return None
         steps.add(row.coef(tile.var))
-        lows.append(rest.const + sum(c * ranges[v][0 if c > 0 else 1] for v, c in rest.terms))
-        highs.append(rest.const + count + sum(c * ranges[v][1 if c > 0 else 0] for v, c in rest.terms))
+        low, high = rest.bounds(ranges)
+        lows.append(low)
+        highs.append(high + count)
     if len(steps) != 1 or not lows:
         return None
     return steps.pop(), min(lows), max(highs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from latte.compiler.ir import (
+    TID,
     Access,
     Affine,
     Assign,
@@ -37,7 +38,6 @@ from latte.compiler.ir import (
     walk,
     written_refs,
 )
-from latte.compiler.passes.data_copy import TID
 from latte.compiler.passes.tiling import is_batch_loop, tile_loop
 
 MIN_GEMM_FLOPS = 1 << 21     # smaller GEMMs are not worth a fork-join
@@ -135,11 +135,11 @@ def _only_accumulated(nest, buf) -> bool:
 
 
 def _disjoint_tiles(off: Affine | None, span: int, tile: str, extents) -> bool:
-    """Consecutive tiles write disjoint ranges of ``buf``."""
+    """Consecutive tiles of a store at offset ``off`` (and ``span``) write disjoint ranges."""
     if off is None:
         return False
     reach = span + sum(abs(c) * (extents[v] - 1) for v, c in off.terms
-                       if v != tile and v in extents and v != TID)
+                       if v != tile and v in extents)
     return reach < abs(off.coef(tile))
 
 

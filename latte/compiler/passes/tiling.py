@@ -4,12 +4,14 @@ The tiled dimension is the outermost ensemble dimension along which a connection
 sliding window (a sink loop variable and an input loop variable meet in one index: ``y`` of
 a convolution or a pooling). The tile loop moves right under the batch loop, so that
 ``(batch, tile)`` is the unit of work that data-copy and parallelization see. The tile height
-is the largest divisor of the extent whose working set (every buffer region one tile
-touches, gathered windows included) fits the cache budget.
+is a divisor of the extent whose working set (every buffer region one tile touches, gathered
+windows included) fits the cache budget: the smallest with ``MIN_TILE`` elements per channel
+(:func:`heights`), else the largest that fits.
 
-The tile loop records the dependence along the tiled dimension in ``meta``: ``tile_size``,
-``scale`` (source rows advanced per output row: the stride) and ``halo`` (source rows a tile
-shares with the next one); fusion scales tile sizes by these (paper figure 11).
+The tile loop records the dependence along the tiled dimension in ``meta``, printed with the
+IR (``LATTE_DUMP=ir``, ``latte explain``): ``tile_size``, ``scale`` (source rows advanced per
+output row: the stride) and ``halo`` (source rows a tile shares with the next one). Fusion
+derives the same strides from the access relations (paper figure 11).
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def _touched(s) -> set[Buffer]:
 
 def fold_zero_init(kernel: Kernel, zeroed: frozenset[Buffer] = frozenset()
                    ) -> tuple[Kernel, frozenset[Buffer]]:
-    """Fold zeroing into first-writer GEMMs.
+    """Fold zeroing into first writers: GEMMs (``beta = 0``), stores, and ``+=`` (to ``=``).
 
     ``zeroed``: buffers cleared before the kernel runs (by the runtime's zero step).
     Returns the new kernel and the subset of ``zeroed`` that no longer needs clearing.
@@ -108,7 +108,8 @@ def fold_zero_init(kernel: Kernel, zeroed: frozenset[Buffer] = frozenset()
         if buf is not None:
             pending[buf] = i
             continue
-        for b in [b for b in pending if b in _touched(s)]:
+        touched = _touched(s)
+        for b in [b for b in pending if b in touched]:
             first = _first_write(s, b)
             if first is not None:
                 folded[b] = pending[b]
@@ -118,7 +119,7 @@ def fold_zero_init(kernel: Kernel, zeroed: frozenset[Buffer] = frozenset()
                 elif isinstance(first, AugAssign):   # ``+=`` on zeros: a plain store
                     stmts[i] = rewrite(stmts[i], lambda n, a=first: Assign(a.target, a.value)
                                        if n is a else None)
-        for b in _touched(stmts[i]):
+        for b in touched:
             pending.pop(b, None)
     drop = {i for i in folded.values() if i is not None}
     body = Block(tuple(s for i, s in enumerate(stmts) if i not in drop))
