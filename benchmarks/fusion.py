@@ -286,9 +286,10 @@ STEPS = (  # the Latte paper's figure 13: each opt level adds optimizations to t
 
 
 def breakdown_table(bench: str, args, env: dict, measured: dict) -> str:
-    """Forward (inference) and forward + backward per opt level at the largest thread count
-    (opt levels 0 and 1 run one thread: threads come with level 2), each against the one
-    before; ``measured`` holds the block table's runs of levels 2 and 3."""
+    """Forward (inference) and forward + backward per opt level at the largest thread count,
+    each against the one before (level 0 runs one thread; level 1 runs threads only inside
+    OpenBLAS's sgemm calls; latte's own parallel loops come with level 2); ``measured``
+    holds the block table's runs of levels 2 and 3."""
     threads = max(args.threads)
     rows, prev = [], None
     for fw, what in STEPS:
@@ -301,8 +302,8 @@ def breakdown_table(bench: str, args, env: dict, measured: dict) -> str:
         prev = r
     header = ["level", "adds", "fwd ms", "speedup", "train fwd ms", "speedup", "fwd+bwd ms",
               "speedup"]
-    return (f"{bench} by opt level (figure 13), {threads} threads from level 2; level 0 runs "
-            f"once\n" + table(rows, header))
+    return (f"{bench} by opt level (figure 13), {threads} threads (level 1: inside OpenBLAS "
+            f"only); level 0 runs once\n" + table(rows, header))
 
 
 def stack_table(args, env: dict) -> str:

@@ -17,12 +17,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (  # noqa: E402
     emit,
     fwd_bwd,
+    malloc_note,
     median_ms,
     openblas_core,
     run_worker,
     sgd_step,
     table,
     worker_args,
+    worker_env,
     worker_options,
 )
 
@@ -98,7 +100,7 @@ def main() -> None:
         return
     rows = []
     for threads in args.threads:
-        res = {fw: run_worker(__file__, fw, threads, worker_options(args))
+        res = {fw: run_worker(__file__, fw, threads, worker_options(args), worker_env(args))
                for fw in ("latte", "torch")}
         for fw, r in res.items():
             if r is None:
@@ -108,7 +110,8 @@ def main() -> None:
                      if res.get("torch") and fw == "latte" else "")
             rows.append([fw, threads, f"{r['step']:.2f}", f"{r['fwd_bwd']:.2f}",
                          f"{FLOPS / r['step'] / 1e6:.0f}", ratio, r["note"]])
-    print(f"MLP {'-'.join(map(str, SIZES))}, batch {BATCH}, one SGD step, median of {args.repeat}")
+    print(f"MLP {'-'.join(map(str, SIZES))}, batch {BATCH}, one SGD step, median of {args.repeat}, "
+          f"{malloc_note(args)}")
     print(table(rows, ["framework", "threads", "step ms", "fwd+bwd ms", "GFLOP/s",
                        "torch/latte", "notes"]))
 

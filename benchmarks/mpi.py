@@ -19,7 +19,17 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import emit, median_ms, run_worker, sgd_step, table, worker_args, worker_options  # noqa: E402
+from harness import (  # noqa: E402
+    emit,
+    malloc_note,
+    median_ms,
+    run_worker,
+    sgd_step,
+    table,
+    worker_args,
+    worker_env,
+    worker_options,
+)
 from lenet import latte_lenet  # noqa: E402
 from mlp import SIZES, latte_mlp  # noqa: E402
 
@@ -43,10 +53,10 @@ def latte_worker(name: str, threads: int, repeat: int, warmup: int) -> dict:
     return {"step": ms, "exposed": stats.get("exposed_ms_per_step")}
 
 
-def _mpi_worker(name: str, overlap: bool, options: list[str]) -> dict | None:
+def _mpi_worker(name: str, overlap: bool, options: list[str], extra_env: dict) -> dict | None:
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
     env = dict(os.environ, OMP_NUM_THREADS="1", LATTE_MPI_OVERLAP="1" if overlap else "0",
-               LATTE_BENCH_NET=name)
+               LATTE_BENCH_NET=name, **extra_env)
     cmd = [mpiexec, "-n", "2", sys.executable, __file__, "--worker", "latte", "--threads", "1",
            *options]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -67,12 +77,13 @@ def main() -> None:
         return
     for name in NETS:
         os.environ["LATTE_BENCH_NET"] = name
-        single = run_worker(__file__, "latte", 2, worker_options(args))
-        report(name, single, _mpi_worker(name, True, worker_options(args)),
-               _mpi_worker(name, False, worker_options(args)), args.repeat)
+        options, env = worker_options(args), worker_env(args)
+        single = run_worker(__file__, "latte", 2, options, env)
+        report(name, single, _mpi_worker(name, True, options, env),
+               _mpi_worker(name, False, options, env), args.repeat, malloc_note(args))
 
 
-def report(name: str, single, overlapped, blocking, repeat: int) -> None:
+def report(name: str, single, overlapped, blocking, repeat: int, malloc: str) -> None:
     global_batch = NETS[name][0]
     rows = []
     for config, r in (("1 rank x 2 threads", single), ("2 ranks x 1 thread, overlap", overlapped),
@@ -82,7 +93,7 @@ def report(name: str, single, overlapped, blocking, repeat: int) -> None:
             continue
         exposed = "" if r["exposed"] is None else f"{r['exposed']:.2f}"
         rows.append([config, f"{r['step']:.2f}", f"{global_batch / r['step'] * 1e3:,.0f}", exposed])
-    print(f"{name}, global batch {global_batch}, one SGD step, median of {repeat}")
+    print(f"{name}, global batch {global_batch}, one SGD step, median of {repeat}, {malloc}")
     print(table(rows, ["configuration", "step ms", "images/s", "reduction wait ms/step"]))
     if overlapped and blocking and blocking["exposed"]:
         hidden = 1 - overlapped["exposed"] / blocking["exposed"]
