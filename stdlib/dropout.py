@@ -42,9 +42,10 @@ class DropoutEnsemble(Ensemble):
 
     def before_forward(self, phase: Phase, fields: dict[str, np.ndarray]) -> None:
         mask = fields["mask"]
-        if phase is Phase.TRAIN and self.ratio > 0.0:
-            keep = self.rng.random(mask.shape, dtype=np.float32) >= self.ratio
-            np.multiply(keep, np.float32(1.0 / (1.0 - self.ratio)), out=mask)
+        if phase is Phase.TRAIN and self.ratio > 0.0:   # in place: no per-step arrays
+            self.rng.random(dtype=np.float32, out=mask)
+            np.greater_equal(mask, np.float32(self.ratio), out=mask)
+            mask *= np.float32(1.0 / (1.0 - self.ratio))
             self._ones = False
         elif not self._ones:
             mask[...] = 1.0
