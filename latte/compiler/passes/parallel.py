@@ -100,7 +100,9 @@ def _is_scratch(buf) -> bool:
 
 def _batch_nest(nest: Loop, bufs) -> list:
     extents = {n.var: n.extent for n in walk(nest) if isinstance(n, Loop)}
-    private = {a.buffer for a in _stores(nest) if not _per_item(a, nest.var)}
+    # in order of first store: a set of buffers (hashed by address) would order the copies,
+    # and with them the generated code, differently in every process
+    private = list(dict.fromkeys(a.buffer for a in _stores(nest) if not _per_item(a, nest.var)))
     if not all(_only_accumulated(nest, b) for b in private):
         return [nest]
     collapse = 1
