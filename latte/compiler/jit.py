@@ -1,7 +1,8 @@
 """The native target: one object owns the target machine, the O3 pipeline and the JIT.
 
-Compiled objects are cached on disk, keyed by a hash of the LLVM IR, the CPU name and
-features and the llvmlite version, so a second run of the same net does not recompile.
+Compiled objects are cached on disk (:mod:`latte.compiler.cache`), keyed by a hash of the
+LLVM IR, the CPU name and features and the llvmlite version, so a second run of the same net
+does not recompile: on a hit the IR is not even parsed, the engine loads the object alone.
 """
 
 from __future__ import annotations
@@ -10,20 +11,12 @@ import ctypes
 import ctypes.util
 import functools
 import hashlib
-import os
-import tempfile
-from pathlib import Path
 
 import llvmlite
 import llvmlite.binding as llvm
 
+from latte.compiler import cache
 from latte.compiler.blas import blas
-
-_CACHE_ENV = "LATTE_CACHE_DIR"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get(_CACHE_ENV) or Path.home() / ".cache" / "latte")
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,9 +58,10 @@ class Target:
         for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads") if gomp else ():
             llvm.add_symbol(name, ctypes.cast(getattr(gomp, name), ctypes.c_void_p).value)
 
-    def cache_key(self, ir_text: str) -> str:
+    def cache_key(self, ir_digest: str) -> str:
+        """The cache key of the IR whose sha256 is ``ir_digest``, on this CPU and LLVM."""
         h = hashlib.sha256()
-        for part in (ir_text, self.cpu, self.features, llvmlite.__version__, "v1"):
+        for part in (ir_digest, self.cpu, self.features, llvmlite.__version__, "v2"):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()[:32]
@@ -81,48 +75,47 @@ class Target:
         pb.getModulePassManager().run(module, pb)
 
     def compile(self, ir_text: str) -> "CodeLibrary":
-        """Parse, verify, optimize (unless cached) and JIT ``ir_text``."""
-        key = self.cache_key(ir_text)
-        path = cache_dir() / f"{key}.o"
-        cached = path.read_bytes() if path.exists() else None
+        """JIT ``ir_text``: the cached object if a valid one exists, else parse, verify,
+        optimize and compile it, and cache the object of the optimized module."""
+        digest = hashlib.sha256(ir_text.encode()).hexdigest()
+        key = self.cache_key(digest)
+        obj = cache.load(key)
+        if obj is not None:
+            # the object carries every symbol: MCJIT needs a module, any will do
+            return CodeLibrary(self._engine(llvm.parse_assembly(""), obj), True, key, digest)
         module = llvm.parse_assembly(ir_text)
         module.verify()
+        self.optimize(module)
+        compiled: list[bytes] = []
+        engine = self._engine(module, None, compiled.append)
+        if len(compiled) == 1:
+            cache.store(key, compiled[0])
+        return CodeLibrary(engine, False, key, digest)
+
+    def _engine(self, module: llvm.ModuleRef, obj: bytes | None, notify=None):
+        """A finalized MCJIT engine for ``module``, or for the object ``obj`` compiled from
+        it; ``notify`` receives the object the engine compiles (when ``obj`` is None)."""
         module.triple = self.machine.triple
         module.data_layout = str(self.machine.target_data)
-        if cached is None:
-            self.optimize(module)
         engine = llvm.create_mcjit_compiler(module, self.new_machine())
-
-        def notify(_mod, data: bytes):
-            _atomic_write(path, data)
-
-        engine.set_object_cache(notify, lambda _mod: cached)
+        engine.set_object_cache(lambda _mod, data: notify(data) if notify else None,
+                                lambda _mod: obj)
         engine.finalize_object()
-        return CodeLibrary(engine, module, cached is not None, key)
+        return engine
 
 
 class CodeLibrary:
-    """A finalized JIT module: look up exported functions by name."""
+    """A finalized JIT module: look up exported functions by name. ``key`` is its cache key,
+    ``ir_digest`` the sha256 of its LLVM IR text (both equal across processes for equal nets)."""
 
-    def __init__(self, engine, module, from_cache: bool, key: str):
-        self.engine, self.module, self.from_cache, self.key = engine, module, from_cache, key
+    def __init__(self, engine, from_cache: bool, key: str, ir_digest: str):
+        self.engine, self.from_cache, self.key, self.ir_digest = engine, from_cache, key, ir_digest
 
     def address(self, name: str) -> int:
         addr = self.engine.get_function_address(name)
         if not addr:
             raise KeyError(f"no compiled function {name!r}")
         return addr
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only cache only costs compile time
 
 
 @functools.lru_cache(maxsize=None)
