@@ -1,9 +1,18 @@
 """Zero-init folding: the first writer of a zeroed buffer overwrites it instead.
 
-``value`` is zero when forward starts and gradients are zeroed when backward starts. When
-the first statement touching such a buffer is a GEMM, an assignment or a ``+=`` whose writes, over
-their enclosing loops, cover every element exactly once (a mixed-radix check on the affine
-offsets), the zeroing is dropped and a GEMM runs with ``beta = 0``: one pass over the buffer
+``value`` is zero when forward starts and gradients are zeroed when backward starts. A
+write ``W`` (a GEMM, an assignment or a ``+=``) may overwrite instead of accumulate when
+
+1. no access to the buffer, in any iteration, runs before ``W`` writes the element it
+   touches: checked here as "``W`` is the only access to the buffer in its top-level
+   statement, and no earlier top-level statement of the kernel touches the buffer" (an
+   access in an earlier iteration of the same nest, e.g. a window's ``+=`` from the
+   neighbouring neuron, would be wiped out otherwise);
+2. ``W`` runs unconditionally (not under an ``if``) and does not read the buffer;
+3. over its enclosing loops, ``W`` writes every element exactly once (a mixed-radix check
+   on the affine offset, loops starting at 0).
+
+Then the zeroing is dropped and a GEMM runs with ``beta = 0``: one pass over the buffer
 saved, and the write-allocate traffic of the memset.
 """
 
@@ -65,7 +74,10 @@ def _in_order(s, loops=()):
 
 
 def _first_write(s, buf: Buffer):
-    """The statement of ``s`` that first touches ``buf``, if it overwrites all of it."""
+    """The statement of ``s`` that touches ``buf``, if it is the only one and overwrites all
+    of it (properties 1-3 of the module docstring)."""
+    if sum(a.buffer is buf for a in accesses(s)) != 1:
+        return None
     for node, loops in _in_order(s):
         if buf not in _touched(node):
             continue
@@ -73,12 +85,10 @@ def _first_write(s, buf: Buffer):
             return None
         if isinstance(node, Gemm):
             off, extra = node.c_off, [(1, node.n), (node.ldc, node.m)]
-            ok = node.c_buf is buf and node.beta == 1.0 and buf not in (node.a_buf, node.b_buf)
+            ok = node.c_buf is buf and node.beta == 1.0
         elif isinstance(node, (Assign, AugAssign)) and isinstance(node.target, Ref):
             off, extra = node.target.offset(), []
-            ok = node.target.buffer is buf and not any(
-                isinstance(x, Ref) and x.buffer is buf for x in walk(node.value)) and (
-                isinstance(node, Assign) or node.op == "+")
+            ok = node.target.buffer is buf and (isinstance(node, Assign) or node.op == "+")
         else:
             return None
         loop_vars = {lp.var for lp in loops}

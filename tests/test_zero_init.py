@@ -1,0 +1,57 @@
+"""Zero-init folding rewrites a first write only where nothing else touched the buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import WeightedSumLoss, fill
+
+from latte import Ensemble, Net, Neuron, add_connections
+from latte.stdlib import ConvolutionLayer, MemoryDataLayer
+
+
+class CrossChannelNorm(Neuron):
+    """An LRN written the natural way: its own input one-to-one, and a window of channels
+    over the same source; backward writes the one-to-one gradient first."""
+
+    def forward(self):
+        s = 0.0
+        for i in range(len(self.inputs[1])):
+            s += self.inputs[1][i] * self.inputs[1][i]
+        self.value = self.inputs[0][0] / (1.0 + 0.1 * s)
+
+    def backward(self):
+        s = 0.0
+        for i in range(len(self.inputs[1])):
+            s += self.inputs[1][i] * self.inputs[1][i]
+        d = 1.0 + 0.1 * s
+        x = self.inputs[0][0]
+        self.grad_inputs[0][0] += self.grad / d
+        for i in range(len(self.inputs[1])):
+            self.grad_inputs[1][i] += -self.grad * x * 0.2 * self.inputs[1][i] / (d * d)
+
+
+def _conv_norm(opt_level: int) -> dict[str, np.ndarray]:
+    net = Net(2, opt_level=opt_level, num_threads=1, seed=1)
+    x = MemoryDataLayer(net, "x", (4, 6, 6))
+    conv = ConvolutionLayer("conv", net, x, 5, 3, pad=1)
+    norm = Ensemble(net, "norm", CrossChannelNorm, (5, 6, 6))
+    add_connections(net, conv, norm, lambda c, y, x_: (c, y, x_))
+    add_connections(net, conv, norm, lambda c, y, x_: (range(c - 1, c + 2), y, x_), padding=0.0)
+    WeightedSumLoss(net, "loss", norm)
+    net.init()
+    fill(net, x, np.random.default_rng(0))
+    net.forward()
+    net.backward()
+    return {"conv.grad": net.grad(conv).copy(), **{p.name: p.grad.copy() for p in net.params}}
+
+
+@pytest.mark.parametrize("opt_level", (1, 2, 3))
+def test_window_and_one_to_one_into_one_gradient(opt_level):
+    """The window's ``+=`` from a neighbouring neuron (an earlier iteration of the same
+    nest) reaches an element before the one-to-one write does: folding that write into a
+    store wiped it out (a 3e-2 weight-gradient error before the fix)."""
+    want, got = _conv_norm(0), _conv_norm(opt_level)
+    for name, ref in want.items():
+        np.testing.assert_allclose(got[name], ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
+                                   err_msg=name)
