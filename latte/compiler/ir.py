@@ -362,18 +362,28 @@ class Access:
 
 
 def accesses(node: Node) -> list[Access]:
-    """Every buffer access below ``node`` (``node`` included): refs (stores marked) and GEMM
-    operand blocks, each with the loops around it."""
-    stores = {id(r) for r in written_refs(node)}
+    """Every buffer access below ``node`` (``node`` included), each once, in execution
+    order of the tree: refs and GEMM operand blocks, each with the loops around it. A
+    statement's target is one written access (a ``+=`` also reads it); identity is
+    positional, so value-equal refs in the target and the value are reported apart."""
     out: list[Access] = []
+
+    def ref(r: Ref, written: bool, loops: tuple) -> None:
+        out.append(Access(r.buffer, r.offset(), written, r.index, view=r.view, loops=loops))
+        for idx in r.index:
+            visit(idx, loops)
 
     def visit(n: Node, loops: tuple) -> None:
         if isinstance(n, Loop):
             loops = (*loops, (n.var, n.start, n.stop))
+        if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Ref):
+            visit(n.value, loops)
+            ref(n.target, True, loops)
+            return
         if isinstance(n, Ref):
-            out.append(Access(n.buffer, n.offset(), id(n) in stores, n.index, view=n.view,
-                              loops=loops))
-        elif isinstance(n, Gemm):
+            ref(n, False, loops)
+            return
+        if isinstance(n, Gemm):
             a_rows, a_cols = (n.k, n.m) if n.trans_a else (n.m, n.k)
             b_rows, b_cols = (n.n, n.k) if n.trans_b else (n.k, n.n)
             out.extend((
