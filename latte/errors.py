@@ -29,6 +29,11 @@ class ShapeError(LatteError, ValueError):
     """Shapes of connected ensembles, fields or data do not agree."""
 
 
+class NeuronRuntimeError(LatteError, RuntimeError):
+    """A neuron body run by the reference interpreter (``latte.reference``) indexes outside a
+    vector or field, uses a non-integer index or reads a local it has not assigned."""
+
+
 class CompileError(LatteError, RuntimeError):
     """The compiler cannot lower a network (an internal limit, not a user mistake)."""
 

@@ -1,0 +1,269 @@
+"""What the neurons of one ensemble see, laid out for the interpreter: their input vectors
+(one gather table per connection, built by calling the mapping at every sink neuron), their
+fields (one array row per neuron, from the field's index map) and their value and gradient.
+
+A *lane* is one (batch item, neuron) pair; the interpreter's arrays broadcast to
+``lanes = (batch, neurons)``. Neurons are numbered row-major over the ensemble's shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import numpy as np
+
+from latte.compiler.frontend import NeuronRef
+from latte.errors import MappingError, NeuronRuntimeError, ShapeError
+from latte.lang import Connection, FieldData, FieldKind
+from latte.reference import tape
+
+Mask = Union[bool, np.ndarray]   # True: every lane; else a bool array broadcasting to lanes
+
+
+@dataclass(frozen=True, eq=False)
+class Table:
+    """Connection ``k`` as its sink neurons read it: ``cols[i, n]`` is the flat source index
+    of element ``i`` of neuron ``n``'s input vector; ``valid`` (None: all) says which lie
+    inside the source (the others read ``padding``, and their gradients go nowhere)."""
+
+    conn: Connection
+    cols: np.ndarray
+    valid: np.ndarray | None
+
+    @property
+    def length(self) -> int:
+        return self.cols.shape[0]
+
+
+def _entries(conn: Connection, idx: tuple[int, ...]) -> tuple[range, ...]:
+    try:
+        out = conn.mapping(*idx)
+    except Exception as exc:  # noqa: BLE001 - user code; say where it failed
+        raise MappingError(f"{conn.describe()}: mapping raised {type(exc).__name__}: {exc} "
+                           f"for sink neuron {idx}") from exc
+    out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    if len(out) != len(conn.source.shape):
+        raise ShapeError(f"{conn.describe()}: mapping returns {len(out)} entries for sink neuron "
+                         f"{idx}, but source {conn.source.name!r} has shape {conn.source.shape}")
+    if not all(isinstance(e, (int, np.integer, range)) and not isinstance(e, bool) for e in out):
+        raise MappingError(f"{conn.describe()}: mapping entries must be int or range, got "
+                           f"{out!r} for sink neuron {idx}")
+    return tuple(e if isinstance(e, range) else range(int(e), int(e) + 1) for e in out)
+
+
+def gather_table(conn: Connection) -> Table:
+    """Call ``conn.mapping`` at every sink neuron and tabulate what each one reads."""
+    sink, src = conn.sink.shape, conn.source.shape
+    positions = []   # per neuron: (L, source ndim) positions, row-major over the entries
+    for idx in np.ndindex(*sink):
+        grid = np.meshgrid(*(np.arange(r.start, r.stop, r.step) for r in _entries(conn, idx)),
+                           indexing="ij")
+        positions.append(np.stack([g.reshape(-1) for g in grid], axis=-1))
+        if len(positions[-1]) != len(positions[0]):
+            raise MappingError(f"{conn.describe()}: sink neuron {idx} reads {len(positions[-1])} "
+                               f"source neurons but neuron {(0,) * len(sink)} reads "
+                               f"{len(positions[0])}; every sink neuron must read the same number")
+    pos = np.stack(positions)                                   # (N, L, D)
+    if pos.shape[1] == 0:
+        raise MappingError(f"{conn.describe()}: the mapping selects no source neuron")
+    inside = ((pos >= 0) & (pos < np.array(src))).all(axis=-1)   # (N, L)
+    if not inside.all() and conn.padding is None:
+        n, i = np.argwhere(~inside)[0]
+        raise MappingError(f"{conn.describe()}: sink neuron {np.unravel_index(n, sink)} of "
+                           f"{conn.sink.name!r} reads {tuple(int(p) for p in pos[n, i])} outside "
+                           f"source {conn.source.name!r} (shape {src}); pass padding= to "
+                           "add_connections to allow it")
+    strides = np.array([int(np.prod(src[d + 1:])) for d in range(len(src))], np.int64)
+    cols = np.where(inside, pos @ strides, 0)
+    return Table(conn, np.ascontiguousarray(cols.T),
+                 None if inside.all() else np.ascontiguousarray(inside.T))
+
+
+def field_rows(ens, f: FieldData) -> np.ndarray:
+    """Per neuron, the row of ``f.array`` (leading dims flattened) holding its vector."""
+    n = ens.size
+    lead = f.array.shape[:f.lead_ndim]
+    if f.index_map is None:
+        return np.arange(n)
+    rows = np.empty(n, np.int64)
+    for k, idx in enumerate(np.ndindex(*ens.shape)):
+        r = f.index_map(*idx)
+        r = tuple(r) if isinstance(r, (tuple, list)) else (r,)
+        if (len(r) != len(lead) or not all(isinstance(x, (int, np.integer)) for x in r)
+                or not all(0 <= x < d for x, d in zip(r, lead))):
+            raise ShapeError(f"ensemble {ens.name!r}: field {f.name!r}'s index map gives {r!r} "
+                             f"for neuron {idx}, not an index into its leading dims {lead}")
+        rows[k] = np.ravel_multi_index(tuple(int(x) for x in r), lead)
+    return rows
+
+
+@dataclass(eq=False)
+class Slot:
+    """A field as the neurons see it: ``array`` is ``(rows, vector)`` (``(batch, rows,
+    vector)`` for a Batch field), ``grad`` the parameter gradient (None for other kinds)."""
+
+    data: FieldData
+    array: np.ndarray
+    rows: np.ndarray
+    grad: np.ndarray | None
+
+
+class Frame:
+    """One ensemble's neurons in one phase: value, grad, inputs and fields over all lanes.
+
+    ``sources[k]`` / ``source_grads[k]`` are connection ``k``'s source values and gradients,
+    flat ``(batch, source size)`` (a gradient None: nothing flows there). With ``trace`` every
+    input and parameter read is a :class:`tape.Node` whose gradient lands where a
+    ``grad_inputs``/``grad_<param>`` ``+=`` would put it.
+    """
+
+    def __init__(self, ens, tables: list[Table], sources: list[np.ndarray],
+                 source_grads: list[np.ndarray | None], slots: dict[str, Slot], value, grad,
+                 batch: int, trace: bool = False):
+        self.ens, self.tables, self.sources, self.source_grads = ens, tables, sources, source_grads
+        self.slots, self.value, self.grad, self.trace = slots, value, grad, trace
+        self.lanes = (batch, ens.size)
+        self.loc = None   # the statement being run, where the IR knows it
+
+    # ------------------------------------------------------------ errors
+    def fail(self, message: str, where: Mask = True) -> NeuronRuntimeError:
+        """An error naming the ensemble and the first lane in ``where``."""
+        b, n = 0, 0
+        if isinstance(where, np.ndarray) and where.any():
+            b, n = (int(x) for x in np.argwhere(np.broadcast_to(where, self.lanes))[0])
+        neuron = tuple(int(i) for i in np.unravel_index(n, self.ens.shape))
+        at = f"{self.loc}: " if self.loc is not None else ""
+        return NeuronRuntimeError(f"{at}ensemble {self.ens.name!r} "
+                                  f"({self.ens.neuron_type.__name__}), neuron {neuron}, batch "
+                                  f"item {b}: {message}")
+
+    def index(self, i, n: int, mask: Mask, what: str):
+        """``i`` checked to be an integer in ``[0, n)`` on every lane of ``mask``."""
+        v = tape.raw(i)
+        if isinstance(i, tape.Node) or not is_int(v):
+            raise self.fail(f"{what}: the index is not an integer ({v if np.ndim(v) == 0 else 'a float'})",
+                            mask)
+        if not isinstance(v, np.ndarray):
+            if not 0 <= int(v) < n:
+                raise self.fail(f"{what}[{int(v)}] is outside its length {n}", mask)
+            return int(v)
+        bad = (v < 0) | (v >= n)
+        bad = bad if mask is True else bad & mask
+        if bad.any():
+            lane = tuple(np.argwhere(np.broadcast_to(bad, self.lanes))[0])
+            value = np.broadcast_to(v, self.lanes)[lane]
+            raise self.fail(f"{what}[{int(value)}] is outside its length {n}", bad)
+        return np.clip(v, 0, n - 1).astype(np.int64)
+
+    def flat_index(self, ref: NeuronRef, idx: tuple, mask: Mask):
+        """The flat position in ``ref``'s vector (one index, or one per vector dim)."""
+        if ref.kind in ("input", "grad_input"):
+            return self.index(idx[0], self.tables[ref.conn].length, mask,
+                              f"self.{'inputs' if ref.kind == 'input' else 'grad_inputs'}[{ref.conn}]")
+        name = ("grad_" if ref.kind == "grad_field" else "") + ref.name
+        shape = self.slots[ref.name].data.vector_shape
+        if len(idx) == 1:
+            return self.index(idx[0], int(np.prod(shape)), mask, f"self.{name}")
+        if len(idx) != len(shape):
+            raise self.fail(f"self.{name} is indexed with {len(idx)} indices; its vector has "
+                            f"shape {shape}", mask)
+        flat = 0
+        for d, (i, extent) in enumerate(zip(idx, shape)):
+            flat = flat * extent + self.index(i, extent, mask, f"self.{name} (dim {d})")
+        return flat
+
+    # ------------------------------------------------------------ reads and writes
+    def read(self, ref: NeuronRef, idx: tuple, mask: Mask):
+        if ref.kind in ("value", "grad"):
+            return getattr(self, ref.kind)
+        if ref.kind in ("grad_input", "grad_field"):
+            raise self.fail(f"{_show(ref)} can only be accumulated into with += or -=", mask)
+        i = self.flat_index(ref, idx, mask)
+        if ref.kind == "input":
+            t = self.tables[ref.conn]
+            cols, valid = self._columns(t, i)
+            v = np.take_along_axis(self.sources[ref.conn], np.broadcast_to(cols, self.lanes), 1)
+            if valid is not None:
+                v = np.where(valid, v, t.conn.padding)
+            if self.trace:
+                return tape.Node(v, sink=lambda g: self._scatter(ref.conn, i, g))
+            return v
+        slot = self.slots[ref.name]
+        v = self._field(slot, i)
+        if self.trace and slot.grad is not None:
+            return tape.Node(v, sink=lambda g: self._to_param(slot, i, g))
+        return v
+
+    def write(self, ref: NeuronRef, idx: tuple, value, mask: Mask, merge: Callable) -> None:
+        if ref.kind in ("value", "grad"):
+            setattr(self, ref.kind, merge(mask, value, getattr(self, ref.kind)))
+            return
+        if ref.kind != "field" or self.slots[ref.name].data.spec.kind is not FieldKind.BATCH:
+            raise self.fail(f"{_show(ref)} cannot be assigned (only value, grad, Batch fields "
+                            "and locals; gradients take += or -=)", mask)
+        slot, i = self.slots[ref.name], self.flat_index(ref, idx, mask)
+        old = self._field(slot, i)
+        new = np.broadcast_to(np.where(mask, tape.raw(value), old), self.lanes)
+        b = np.arange(self.lanes[0])[:, None]
+        slot.array[b, slot.rows[None, :], np.broadcast_to(i, self.lanes)] = new
+
+    def accumulate(self, ref: NeuronRef, idx: tuple, value, op: str, mask: Mask) -> None:
+        """``grad_inputs[k][i] op= value`` or ``grad_<param>[i] op= value`` (op + or -)."""
+        if op not in "+-":
+            raise self.fail(f"{_show(ref)} can only be accumulated into with += or -=", mask)
+        g = tape.raw(value) if op == "+" else -tape.raw(value)
+        g = np.broadcast_to(np.where(mask, g, 0.0) if mask is not True else g, self.lanes)
+        i = self.flat_index(ref, idx, mask)
+        if ref.kind == "grad_input":
+            self._scatter(ref.conn, i, g)
+        else:
+            self._to_param(self.slots[ref.name], i, g)
+
+    # ------------------------------------------------------------ helpers
+    def _columns(self, t: Table, i) -> tuple[np.ndarray, np.ndarray | None]:
+        if isinstance(i, np.ndarray):
+            n = np.arange(self.lanes[1])
+            return t.cols[i, n], None if t.valid is None else t.valid[i, n]
+        return t.cols[i][None, :], None if t.valid is None else t.valid[i][None, :]
+
+    def _field(self, slot: Slot, i) -> np.ndarray:
+        if slot.data.spec.kind is FieldKind.BATCH:
+            b = np.arange(self.lanes[0])[:, None]
+            return slot.array[b, slot.rows[None, :], i]
+        return slot.array[slot.rows[None, :], i]
+
+    def _scatter(self, k: int, i, g) -> None:
+        """Add ``g`` (per lane) into the source gradients connection ``k``'s element ``i``
+        reads; padded elements take nothing."""
+        dest = self.source_grads[k]
+        if dest is None:
+            return
+        cols, valid = self._columns(self.tables[k], i)
+        g = np.broadcast_to(g, self.lanes)
+        lin = np.broadcast_to(cols, self.lanes) + np.arange(self.lanes[0])[:, None] * dest.shape[1]
+        if valid is not None:
+            keep = np.broadcast_to(valid, self.lanes)
+            lin, g = lin[keep], g[keep]
+        dest += np.bincount(lin.reshape(-1), g.reshape(-1), dest.size).reshape(dest.shape)
+
+    def _to_param(self, slot: Slot, i, g) -> None:
+        g = np.broadcast_to(g, self.lanes)
+        if isinstance(i, np.ndarray):
+            np.add.at(slot.grad, (np.broadcast_to(slot.rows, self.lanes), np.broadcast_to(i, self.lanes)), g)
+        else:
+            slot.grad[:, i] += np.bincount(slot.rows, g.sum(axis=0), slot.grad.shape[0])
+
+
+def is_int(v) -> bool:
+    """Whether ``v`` is integer-typed (Python/numpy ints and booleans)."""
+    v = tape.raw(v)
+    if isinstance(v, np.ndarray):
+        return v.dtype.kind in "iub"
+    return isinstance(v, (int, np.integer, np.bool_))
+
+
+def _show(ref: NeuronRef) -> str:
+    if ref.kind in ("input", "grad_input"):
+        return f"self.{'inputs' if ref.kind == 'input' else 'grad_inputs'}[{ref.conn}]"
+    return f"self.{'grad_' if ref.kind == 'grad_field' else ''}{ref.name}"

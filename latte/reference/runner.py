@@ -1,0 +1,237 @@
+"""The reference interpreter's net: runs a built ``Net`` from its lang objects in float64.
+
+Nothing here compiles: neuron bodies are parsed by the frontend and interpreted
+(:mod:`latte.reference.interp`), mappings and index maps are called at every neuron
+(:mod:`latte.reference.frame`), normalization ensembles run their own numpy code on float64
+arrays. A neuron type without a ``backward`` gets the gradient of its ``forward`` by tape
+(:mod:`latte.reference.tape`), from the inputs it read in the forward pass.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from latte.compiler.frontend import NeuronInfo, parse_method
+from latte.errors import ShapeError
+from latte.lang import (
+                        ActivationEnsemble,
+                        DataEnsemble,
+                        Ensemble,
+                        FieldKind,
+                        Neuron,
+                        NormalizationEnsemble,
+                        Phase,
+)
+from latte.lang.ensemble import BaseEnsemble
+from latte.reference import tape
+from latte.reference.frame import Frame, Slot, Table, field_rows, gather_table
+from latte.reference.interp import run
+
+
+def has_backward(neuron_type: type) -> bool:
+    """Whether the neuron type (or a base below ``Neuron``) defines ``backward``."""
+    return any("backward" in vars(c) for c in neuron_type.__mro__
+               if c is not Neuron and issubclass(c, Neuron))
+
+
+def _owner(ens: BaseEnsemble) -> BaseEnsemble:
+    while isinstance(ens, ActivationEnsemble):
+        ens = ens.source
+    return ens
+
+
+def _key(ens: BaseEnsemble, field: str) -> str:
+    return f"{ens.name}.{field}"
+
+
+class Reference:
+    """Runs ``net`` per neuron in float64 numpy: the executable definition of the language.
+
+    ``params`` / ``fields`` (``{"ens.field": array}``) override the arrays the ensembles
+    were given (a Batch field's array is ``(batch, *field array shape)``, as
+    ``net.field`` shows it). After :meth:`forward`, ``values[name]`` is what
+    ``net.value(name)`` shows; after :meth:`backward`, ``grads[name]`` what ``net.grad(name)``
+    shows and ``param_grads["ens.field"]`` each parameter's gradient. An activation shares
+    its source's value and gradient arrays. The reference never calls ``before_forward``
+    (dropout draws its masks there): give such Batch fields through ``fields``.
+    """
+
+    def __init__(self, net, params: dict | None = None, fields: dict | None = None):
+        self.net, self.batch = net, net.batch_size
+        self.phase = Phase.TRAIN
+        self.loss = 0.0
+        self.values: dict[str, np.ndarray] = {}
+        self.grads: dict[str, np.ndarray] = {}
+        for ens in net.ensembles:
+            owner = _owner(ens)
+            if owner is ens:
+                self.values[ens.name] = np.zeros((self.batch, *ens.shape))
+                self.grads[ens.name] = np.zeros((self.batch, *ens.shape))
+            else:
+                self.values[ens.name] = self.values[owner.name]
+                self.grads[ens.name] = self.grads[owner.name]
+        self.params: dict[str, np.ndarray] = {}
+        self.fields: dict[str, np.ndarray] = {}
+        for ens in self._neuron_ensembles():
+            for name, f in ens.fields.items():
+                if f.spec.kind is FieldKind.PARAM:
+                    self.params[_key(ens, name)] = np.array(f.array, np.float64)
+                elif f.spec.kind is FieldKind.BATCH:
+                    self.fields[_key(ens, name)] = np.broadcast_to(
+                        f.array.astype(np.float64), (self.batch, *f.array.shape)).copy()
+                else:
+                    self.fields[_key(ens, name)] = np.array(f.array, np.float64)
+        self._override(self.params, params or {}, "params")
+        self._override(self.fields, fields or {}, "fields")
+        self.param_grads = {k: np.zeros_like(v) for k, v in self.params.items()}
+        self.history = {k: np.zeros_like(v) for k, v in self.params.items()}
+        self._tables: dict[str, list[Table]] = {}
+        self._rows: dict[str, np.ndarray] = {}
+        self._bodies: dict[tuple[str, str], object] = {}
+        self._saved: dict[str, tuple] = {}   # forward-time inputs of neurons without backward
+        # normalization ensembles keep state between forward and backward (a loss's
+        # probabilities): the reference runs them on copies so the net's own stay untouched
+        self._norms = {e.name: copy.copy(e) for e in net.ensembles
+                       if isinstance(e, NormalizationEnsemble)}
+
+    def _neuron_ensembles(self) -> list[Ensemble]:
+        return [e for e in self.net.ensembles if isinstance(e, Ensemble)]
+
+    @staticmethod
+    def _override(store: dict, given: dict, what: str) -> None:
+        for key, array in given.items():
+            if key not in store:
+                raise KeyError(f"Reference: no {what[:-1]} named {key!r} (known: {sorted(store)})")
+            array = np.asarray(array, np.float64)
+            if array.size != store[key].size:
+                raise ShapeError(f"Reference: {what} {key!r} has shape {array.shape}, expected "
+                                 f"{store[key].shape}")
+            store[key] = array.reshape(store[key].shape).copy()
+
+    # ------------------------------------------------------------ running
+    def forward(self, inputs: dict[str, np.ndarray], phase: Phase = Phase.TRAIN) -> None:
+        """Run every ensemble's forward in net order; ``inputs`` holds a ``(batch, *shape)``
+        array for every data ensemble."""
+        self.phase = phase
+        data = [e for e in self.net.ensembles if isinstance(e, DataEnsemble)]
+        unknown = set(inputs) - {e.name for e in data}
+        if unknown:
+            raise KeyError(f"Reference.forward: {sorted(unknown)} are not data ensembles")
+        for ens in data:
+            if ens.name not in inputs:
+                raise KeyError(f"Reference.forward: no input for data ensemble {ens.name!r}")
+            x = np.asarray(inputs[ens.name], np.float64)
+            if x.size != self.values[ens.name].size:
+                raise ShapeError(f"Reference.forward: input {ens.name!r} has shape {x.shape}, "
+                                 f"expected {self.values[ens.name].shape}")
+            self.values[ens.name][...] = x.reshape(self.values[ens.name].shape)
+        for ens in self.net.ensembles:
+            if isinstance(ens, NormalizationEnsemble):
+                self._norms[ens.name].forward([self.values[i.name] for i in ens.inputs],
+                                              self.values[ens.name], self.batch)
+            elif isinstance(ens, Ensemble):
+                self._forward(ens)
+        self.loss = float(sum(n.loss for n in self._norms.values() if n.is_loss))
+
+    def backward(self) -> None:
+        """Zero every gradient, then back-propagate from the losses in reverse net order."""
+        for g in (*self.grads.values(), *self.param_grads.values()):
+            g[...] = 0.0
+        for ens in reversed(self.net.ensembles):
+            if isinstance(ens, NormalizationEnsemble):
+                self._norms[ens.name].backward([self.values[i.name] for i in ens.inputs],
+                                               [self.grads[i.name] for i in ens.inputs],
+                                               self.values[ens.name], self.grads[ens.name],
+                                               self.batch)
+            elif isinstance(ens, Ensemble):
+                self._backward(ens)
+
+    def sgd_step(self, lr: float, momentum: float = 0.0, regu_coef: float = 0.0) -> None:
+        """``hist = mom*hist + lr*lr_mult*(grad + regu*decay_mult*param)``; ``param -= hist``."""
+        for ens in self._neuron_ensembles():
+            for f in ens.params:
+                k = _key(ens, f.name)
+                step = lr * f.spec.lr_mult * (self.param_grads[k]
+                                              + regu_coef * f.spec.decay_mult * self.params[k])
+                self.history[k] = momentum * self.history[k] + step
+                self.params[k] -= self.history[k]
+
+    # ------------------------------------------------------------ one ensemble
+    def _flat(self, arrays: dict, ens: BaseEnsemble) -> np.ndarray:
+        return arrays[ens.name].reshape(self.batch, -1)
+
+    def _setup(self, ens: Ensemble) -> list[Table]:
+        if ens.name not in self._tables:
+            self._tables[ens.name] = [gather_table(c) for c in self.net.connections_into(ens)]
+            for name, f in ens.fields.items():
+                self._rows[_key(ens, name)] = field_rows(ens, f)
+        return self._tables[ens.name]
+
+    def _body(self, ens: Ensemble, phase: str, tables: list[Table]):
+        if (ens.name, phase) not in self._bodies:
+            info = NeuronInfo(tuple(t.length for t in tables),
+                              {n: int(np.prod(f.vector_shape)) for n, f in ens.fields.items()},
+                              frozenset(f.name for f in ens.params))
+            self._bodies[ens.name, phase] = parse_method(ens.neuron_type, phase, info)
+        return self._bodies[ens.name, phase]
+
+    def _slots(self, ens: Ensemble) -> dict[str, Slot]:
+        out = {}
+        for name, f in ens.fields.items():
+            k = _key(ens, name)
+            rows = self._rows[k]
+            n_rows = int(np.prod(f.array.shape[:f.lead_ndim]))
+            if f.spec.kind is FieldKind.PARAM:
+                out[name] = Slot(f, self.params[k].reshape(n_rows, -1), rows,
+                                 self.param_grads[k].reshape(n_rows, -1))
+            elif f.spec.kind is FieldKind.BATCH:
+                out[name] = Slot(f, self.fields[k].reshape(self.batch, n_rows, -1), rows, None)
+            else:
+                out[name] = Slot(f, self.fields[k].reshape(n_rows, -1), rows, None)
+        return out
+
+    def _dead(self, ens: BaseEnsemble) -> bool:
+        """A data ensemble nobody asked the gradient of: the compiled net leaves it zero."""
+        return isinstance(ens, DataEnsemble) and not getattr(ens, "needs_grad", False)
+
+    def _forward(self, ens: Ensemble) -> None:
+        tables = self._setup(ens)
+        sources = [self._flat(self.values, t.conn.source) for t in tables]
+        value = self._flat(self.values, ens)
+        start = value.copy() if isinstance(ens, ActivationEnsemble) else 0.0
+        if not has_backward(ens.neuron_type):
+            self._saved[ens.name] = ([s.copy() for s in sources], start)
+        frame = Frame(ens, tables, sources, [None] * len(tables), self._slots(ens), start,
+                      self._flat(self.grads, ens), self.batch)
+        run(self._body(ens, "forward", tables), frame)
+        value[...] = np.broadcast_to(tape.raw(frame.value), value.shape)
+
+    def _backward(self, ens: Ensemble) -> None:
+        tables = self._setup(ens)
+        grads = [None if self._dead(t.conn.source) else self._flat(self.grads, t.conn.source)
+                 for t in tables]
+        grad = self._flat(self.grads, ens)
+        slots = self._slots(ens)
+        if has_backward(ens.neuron_type):
+            sources = [self._flat(self.values, t.conn.source) for t in tables]
+            value = self._flat(self.values, ens)
+            frame = Frame(ens, tables, sources, grads, slots, value, grad.copy(), self.batch)
+            run(self._body(ens, "backward", tables), frame)
+            value[...] = np.broadcast_to(tape.raw(frame.value), value.shape)
+            grad[...] = np.broadcast_to(tape.raw(frame.grad), grad.shape)
+            return
+        sources, start = self._saved[ens.name]
+        d_start = np.zeros_like(grad)
+        if isinstance(start, np.ndarray):   # an activation: its input is its value
+
+            def sink(g):
+                d_start[...] += g
+
+            start = tape.Node(start, sink=sink)
+        frame = Frame(ens, tables, sources, grads, slots, start, grad, self.batch, trace=True)
+        run(self._body(ens, "forward", tables), frame)
+        tape.backprop([(frame.value, grad.copy())])
+        if isinstance(ens, ActivationEnsemble):
+            grad[...] = d_start
