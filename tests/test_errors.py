@@ -221,5 +221,7 @@ def test_out_of_range_index_in_neuron_body():
     x = MemoryDataLayer(net, "x", (4,))
     ens = Ensemble(net, "shifted", Shifted, (3,), w=np.ones((3, 4), np.float32))
     add_connections(net, x, ens, lambda o: (range(4),))
-    with pytest.raises(CompileError, match=r"shifted.forward: index 1..4 of dimension 1 of shifted.w"):
+    line = Shifted.forward.__code__.co_firstlineno + 2
+    with pytest.raises(CompileError, match=rf"test_errors.py:{line}: ensemble 'shifted': index "
+                                           r"i \+ 1 of self.w ranges over 1..4, outside its length 4"):
         net.init()

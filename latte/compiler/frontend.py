@@ -2,7 +2,10 @@
 
 The result uses :class:`NeuronRef` for the neuron's own fields (``self.value``,
 ``self.inputs[k][i]``, ``self.weights[i]``...); synthesis turns those into buffer refs.
-Anything outside the neuron language is a :class:`NeuronSyntaxError` naming file and line.
+Anything outside the neuron language is a :class:`NeuronSyntaxError` naming file and line,
+and so are indices that are not integers and reads of locals that may be unassigned (a
+local assigned only in one branch, or only in a loop that may not run): compiled code
+would read the previous neuron's value. Every statement carries its :class:`Loc`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from latte.compiler.ir import (
     Const,
     Expr,
     If,
+    Loc,
     Loop,
     Select,
     UnaryOp,
@@ -85,9 +89,13 @@ class _Parser:
             filename, line_offset, info, env, selfname)
         self.loop_vars: set[str] = set()
         self.locals: set[str] = set()
+        self.assigned: set[str] = set()   # locals assigned on every path to this point
 
     def error(self, node: ast.AST, message: str) -> NeuronSyntaxError:
         return NeuronSyntaxError(message, self.filename, self.offset + getattr(node, "lineno", 1))
+
+    def loc(self, node: ast.AST) -> Loc:
+        return Loc(self.filename, self.offset + node.lineno)
 
     # ------------------------------------------------------------ statements
     def block(self, body: list[ast.stmt]) -> Block:
@@ -106,17 +114,23 @@ class _Parser:
         if isinstance(node, ast.Assign):
             if len(node.targets) != 1:
                 raise self.error(node, "chained assignment is not supported in a neuron body")
-            return Assign(self.target(node.targets[0]), self.expr(node.value))
+            value = self.expr(node.value)
+            return Assign(self.target(node.targets[0]), value, self.loc(node))
         if isinstance(node, ast.AugAssign):
             op = _BINOPS.get(type(node.op))
             if op not in ("+", "-", "*", "/"):
                 raise self.error(node, f"augmented assignment {type(node.op).__name__} is not supported")
             target = self.target(node.target, augmented=True)
-            return AugAssign(target, op, self.expr(node.value))
+            return AugAssign(target, op, self.expr(node.value), self.loc(node))
         if isinstance(node, ast.For):
             return self.for_loop(node)
         if isinstance(node, ast.If):
-            return If(self.expr(node.test), self.block(node.body), self.block(node.orelse))
+            cond, before = self.expr(node.test), set(self.assigned)
+            then = self.block(node.body)
+            after_then, self.assigned = self.assigned, before
+            orelse = self.block(node.orelse)
+            self.assigned &= after_then   # assigned after the if: assigned in both branches
+            return If(cond, then, orelse, self.loc(node))
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
             raise self.error(node, f"the call `{ast.unparse(node.value)}` is not supported in a "
                                    "neuron body (use for/range, if/else, assignments)")
@@ -137,17 +151,25 @@ class _Parser:
         var = node.target.id
         if var in self.locals:
             raise self.error(node, f"loop variable {var!r} is also used as a local variable")
+        if var in self.loop_vars:
+            raise self.error(node, f"loop variable {var!r} shadows the enclosing loop's")
         self.loop_vars.add(var)
+        before = set(self.assigned)
         body = self.block(node.body)
-        return Loop(var, start, max(start, stop), body)
+        self.loop_vars.discard(var)   # out of scope after the loop (compiled code has no value)
+        if stop <= start:   # the body never runs: what it assigns stays unassigned
+            self.assigned = before
+        return Loop(var, start, max(start, stop), body, loc=self.loc(node))
 
     def target(self, node: ast.expr, augmented: bool = False):
         if isinstance(node, ast.Name):
             if node.id in self.loop_vars:
                 raise self.error(node, f"cannot assign to loop variable {node.id!r}")
-            if augmented and node.id not in self.locals:
-                raise self.error(node, f"local {node.id!r} is updated before it is assigned")
+            if augmented and node.id not in self.assigned:
+                raise self.error(node, f"local {node.id!r} is updated before it is assigned"
+                                       + self._unassigned_why(node.id))
             self.locals.add(node.id)
+            self.assigned.add(node.id)
             return Var(node.id)
         ref = self.expr(node)
         if not isinstance(ref, NeuronRef) or ref.kind == "input":
@@ -180,6 +202,9 @@ class _Parser:
         if isinstance(node, ast.Constant) and isinstance(node.value, (bool, int, float)):
             return Const(float(node.value) if isinstance(node.value, float) else int(node.value))
         if isinstance(node, ast.Name):
+            if node.id in self.locals and node.id not in self.assigned:
+                raise self.error(node, f"local {node.id!r} may be read before it is assigned"
+                                       + self._unassigned_why(node.id))
             if node.id in self.loop_vars or node.id in self.locals:
                 return Var(node.id)
             val = self.env.get(node.id)
@@ -218,8 +243,39 @@ class _Parser:
         if isinstance(node, ast.IfExp):
             return Select(self.expr(node.test), self.expr(node.body), self.expr(node.orelse))
         if isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Name) and node.func.id == "len" and "len" not in self.env:
+                return Const(self.const_int(node))
             return self.call(node)
         raise self.error(node, f"{type(node).__name__} expressions are not supported in a neuron body")
+
+    @staticmethod
+    def _unassigned_why(name: str) -> str:
+        return (f" on some path: assign {name!r} before the if/for (or in every branch, or in "
+                "a loop that runs at least once); compiled code would keep the previous "
+                "neuron's value")
+
+    def index(self, node: ast.expr, what: str) -> Expr:
+        """An index expression, which must be integer-valued."""
+        e = self.expr(node)
+        if not self._is_int(e):
+            raise self.error(node, f"index {ast.unparse(node)} of {what} is not an integer: "
+                                   "indices are built from loop variables, integer constants, "
+                                   "len(...) and + - * // % max min (locals and / give floats)")
+        return e
+
+    def _is_int(self, e: Expr) -> bool:
+        if isinstance(e, Const):
+            return isinstance(e.value, int)
+        if isinstance(e, Var):
+            return e.name in self.loop_vars and e.name not in self.locals
+        if isinstance(e, BinOp):
+            return e.op in ("+", "-", "*", "//", "%", "max", "min") and self._is_int(e.lhs) \
+                and self._is_int(e.rhs)
+        if isinstance(e, UnaryOp):
+            return e.op == "neg" and self._is_int(e.operand)
+        if isinstance(e, Select):
+            return self._is_int(e.if_true) and self._is_int(e.if_false)
+        return False
 
     def call(self, node: ast.Call) -> Expr:
         fn = self.resolve(node.func)
@@ -294,4 +350,5 @@ class _Parser:
             raise self.error(node, "only self.inputs[k][i], self.grad_inputs[k][i] and neuron "
                                    "fields can be indexed")
         elts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-        return NeuronRef(base.kind, base.name, base.conn, tuple(self.expr(e) for e in elts))
+        what = ast.unparse(inner)
+        return NeuronRef(base.kind, base.name, base.conn, tuple(self.index(e, what) for e in elts))

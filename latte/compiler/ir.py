@@ -185,6 +185,17 @@ class Select(Expr):
 # ---------------------------------------------------------------- statements
 
 @dataclass(frozen=True)
+class Loc:
+    """Where a statement comes from: its neuron's source file and line (errors name it)."""
+
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclass(frozen=True)
 class Block(Stmt):
     stmts: tuple[Stmt, ...] = ()
 
@@ -193,6 +204,7 @@ class Block(Stmt):
 class Assign(Stmt):
     target: Ref | Var
     value: Expr
+    loc: Loc | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -200,6 +212,7 @@ class AugAssign(Stmt):
     target: Ref | Var
     op: str          # + - * /
     value: Expr
+    loc: Loc | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -207,6 +220,7 @@ class If(Stmt):
     cond: Expr
     then: Block
     orelse: Block = Block()
+    loc: Loc | None = field(default=None, compare=False)
 
 
 class LoopKind(enum.Enum):
@@ -237,6 +251,7 @@ class Loop(Stmt):
     kind: LoopKind = LoopKind.SERIAL
     axis: Axis | None = None
     meta: tuple = ()   # (key, value) pairs for later passes, e.g. dependence distance
+    loc: Loc | None = field(default=None, compare=False)
 
     @property
     def extent(self) -> int:

@@ -37,6 +37,7 @@ from latte.compiler.ir import (
     walk,
 )
 from latte.compiler.mapping import ConnAccess, DimAccess, fit_index_map, sink_var
+from latte.compiler.verify import verify_neuron
 from latte.errors import CompileError
 from latte.lang import ActivationEnsemble, FieldKind
 
@@ -146,18 +147,19 @@ class _Synth:
         if isinstance(s, Loop):
             return self.loop(s)
         if isinstance(s, If):
-            return If(self.expr(s.cond), self.body(s.then), self.body(s.orelse))
+            return If(self.expr(s.cond), self.body(s.then), self.body(s.orelse), s.loc)
         if isinstance(s, (Assign, AugAssign)):
             value = self.expr(s.value)
             target, guard = self.target(s.target)
-            out = Assign(target, value) if isinstance(s, Assign) else AugAssign(target, s.op, value)
-            return If(guard, Block((out,))) if guard is not None else out
+            out = (Assign(target, value, s.loc) if isinstance(s, Assign)
+                   else AugAssign(target, s.op, value, s.loc))
+            return If(guard, Block((out,)), loc=s.loc) if guard is not None else out
         raise CompileError(f"unexpected statement {type(s).__name__}")
 
     def loop(self, s: Loop):
         k = self._delinearizable(s)
         if k is None:
-            return Loop(s.var, s.start, s.stop, self.body(s.body))
+            return Loop(s.var, s.start, s.stop, self.body(s.body), loc=s.loc)
         dims = self.merged[k][1]
         tvars = tuple(self.names(f"{s.var}_{g}") if a.length > 1 else None
                       for g, a in enumerate(dims))
@@ -166,7 +168,8 @@ class _Synth:
         del self.delin[s.var]
         for g in reversed(range(len(dims))):
             if tvars[g] is not None:
-                inner = Block((Loop(tvars[g], 0, dims[g].length, inner, meta=(("conn", k),)),))
+                inner = Block((Loop(tvars[g], 0, dims[g].length, inner, meta=(("conn", k),),
+                                    loc=s.loc),))
         return inner.stmts[0] if len(inner.stmts) == 1 else inner
 
     def _delinearizable(self, s: Loop) -> int | None:
@@ -295,7 +298,9 @@ class _Synth:
             sink_flat = sink_flat * extent + Affine.of(v)
         offset = Load(Ref(table, (sink_flat, _index(i)), table.shape))
         ref = Ref(buf, (Affine.of(self.n), offset), (self.batch, access.conn.source.size))
-        guard = None if access.in_bounds else Compare(">=", offset, Const(0))
+        # with padding the table may hold -1 (its analysis said where): guard every load,
+        # so that the verifier proves the access from the table's construction alone
+        guard = None if access.conn.padding is None else Compare(">=", offset, Const(0))
         return ref, guard
 
 
@@ -309,6 +314,7 @@ def synthesize(ens, phase: str, accesses: list[ConnAccess], bufs: BufferPlan) ->
             names.used.add(node.name)
         elif isinstance(node, Loop):
             names.used.add(node.var)
+    verify_neuron(neuron_body, lambda r: _extents(ens, info, r), ens.name, phase)
     synth = _Synth(ens, accesses, bufs, names)
     body = synth.body(neuron_body)
     stmts = []
@@ -317,6 +323,20 @@ def synthesize(ens, phase: str, accesses: list[ConnAccess], bufs: BufferPlan) ->
     if body.stmts:
         stmts.append(synth.neuron_nest(body))
     return Kernel(f"{ens.name}.{phase}", Block(tuple(stmts)), ens, phase)
+
+
+def _extents(ens, info: NeuronInfo, r: NeuronRef) -> tuple[int, ...]:
+    """The extent of each of ``r``'s indices: the input vector's length, a field vector's
+    length (one index) or its shape (one index per dimension)."""
+    if r.kind in ("input", "grad_input"):
+        return (info.input_lengths[r.conn],)
+    if len(r.index) == 1:
+        return (info.field_lengths[r.name],)
+    shape = ens.fields[r.name].vector_shape
+    if len(r.index) != len(shape):
+        raise CompileError(f"ensemble {ens.name!r}: field {r.name!r} indexed with "
+                           f"{len(r.index)} indices; its vector has shape {shape}")
+    return tuple(shape)
 
 
 def zero_loop(buf, var: str) -> Loop:
