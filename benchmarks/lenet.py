@@ -48,8 +48,8 @@ def _data():
             rng.integers(0, 10, BATCH * 4))
 
 
-def latte_lenet(threads: int, profile: bool = False, batch: int = BATCH):
-    """LeNet in latte, compiled at the default opt level."""
+def latte_lenet(threads: int, profile: bool = False, batch: int = BATCH, init: bool = True):
+    """LeNet in latte at the default opt level, compiled unless ``init`` is False."""
     from latte import Net
     from latte.stdlib import (
         ArrayDataLayer,
@@ -70,7 +70,8 @@ def latte_lenet(threads: int, profile: bool = False, batch: int = BATCH):
     relu1 = ReLULayer("relu1", net, ip1)
     ip2 = FullyConnectedLayer("ip2", net, relu1, 10)
     SoftmaxLossLayer("loss", net, ip2, label)
-    net.init()
+    if init:
+        net.init()
     return net
 
 

@@ -1,0 +1,124 @@
+"""Cold and warm ``net.init()`` of VGG-16 and LeNet, each in a fresh process.
+
+    python benchmarks/init_time.py [--nets vgg16 lenet] [--threads 2] [--repeat 3]
+
+VGG-16 is the paper's: 13 3x3 convolutions (64-64, 128-128, 256 x3, 512 x3, 512 x3, each
+followed by a ReLU, a 2x2 max pooling after each block) and 3 fully connected layers
+(4096, 4096, 1000), batch 2, 224x224x3 images, stdlib layers, opt level 3. LeNet is
+Caffe's at batch 64 (``benchmarks/lenet.py``). Each net gets a private, empty cache
+directory; the first worker compiles (cold), the next ``--repeat`` find the code in the
+cache (warm). The table gives the cold time and the median warm time of ``net.init()``
+alone (building the layers, which draws the random weights, is not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import OtherLoad, emit, table  # noqa: E402
+
+VGG16 = ((64, 64), (128, 128), (256, 256, 256), (512, 512, 512), (512, 512, 512))
+
+
+def vgg16(threads: int):
+    """VGG-16 (configuration D) at batch 2 on 224x224 images, not yet initialized."""
+    import numpy as np  # noqa: PLC0415
+
+    from latte import Net  # noqa: PLC0415
+    from latte.stdlib import (  # noqa: PLC0415
+        ArrayDataLayer,
+        ConvolutionLayer,
+        FullyConnectedLayer,
+        MaxPoolingLayer,
+        ReLULayer,
+        SoftmaxLossLayer,
+    )
+
+    net = Net(2, num_threads=threads, seed=0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 224, 224)).astype(np.float32)
+    data, label = ArrayDataLayer(net, (x, rng.integers(0, 1000, 2)), shuffle=False)
+    top = data
+    for b, block in enumerate(VGG16, 1):
+        for i, channels in enumerate(block, 1):
+            conv = ConvolutionLayer(f"conv{b}_{i}", net, top, channels, 3, pad=1)
+            top = ReLULayer(f"relu{b}_{i}", net, conv)
+        top = MaxPoolingLayer(f"pool{b}", net, top, 2)
+    for i, width in enumerate((4096, 4096), 6):
+        top = ReLULayer(f"relu{i}", net, FullyConnectedLayer(f"fc{i}", net, top, width))
+    SoftmaxLossLayer("loss", net, FullyConnectedLayer("fc8", net, top, 1000), label)
+    return net
+
+
+def lenet(threads: int):
+    from lenet import latte_lenet  # noqa: PLC0415
+
+    return latte_lenet(threads, init=False)
+
+
+NETS = {"vgg16": vgg16, "lenet": lenet}
+
+
+def worker(name: str, threads: int) -> None:
+    net = NETS[name](threads)
+    start = time.perf_counter()
+    net.init()
+    emit({"init_s": time.perf_counter() - start, "from_cache": net.program.library.from_cache})
+
+
+def run(name: str, threads: int, cache: str) -> dict:
+    env = dict(os.environ, LATTE_CACHE_DIR=cache, OMP_NUM_THREADS=str(threads))
+    cmd = [sys.executable, __file__, "--worker", name, "--threads", str(threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"[{name} worker failed]\n{out.stderr[-2000:]}")
+    return json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    except OSError:
+        return "unknown CPU"
+    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
+                 if ln.startswith("Model name")), "unknown CPU")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", default=None, help="internal: time one net.init()")
+    ap.add_argument("--nets", nargs="*", default=list(NETS), choices=list(NETS))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3, help="warm runs per net")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker, args.threads)
+    load, rows = OtherLoad(), []
+    for name in args.nets:
+        cache = tempfile.mkdtemp(prefix="latte-init-")
+        try:
+            cold = run(name, args.threads, cache)
+            warm = [run(name, args.threads, cache) for _ in range(args.repeat)]
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+        hits = sum(w["from_cache"] for w in warm)
+        rows.append([name, f"{cold['init_s']:.2f}",
+                     f"{statistics.median(w['init_s'] for w in warm):.2f}",
+                     f"{hits}/{len(warm)}"])
+    print(f"net.init() in fresh processes, {args.threads} threads, opt level 3; "
+          f"{cpu_name()}, {os.cpu_count()} CPUs")
+    print(table(rows, ["net", "cold s", "warm s (median)", "warm runs from cache"]))
+    print(load.note())
+
+
+if __name__ == "__main__":
+    main()
