@@ -70,7 +70,8 @@ def gather_table(conn: Connection) -> Table:
     inside = ((pos >= 0) & (pos < np.array(src))).all(axis=-1)   # (N, L)
     if not inside.all() and conn.padding is None:
         n, i = np.argwhere(~inside)[0]
-        raise MappingError(f"{conn.describe()}: sink neuron {np.unravel_index(n, sink)} of "
+        where = tuple(int(d) for d in np.unravel_index(n, sink))
+        raise MappingError(f"{conn.describe()}: sink neuron {where} of "
                            f"{conn.sink.name!r} reads {tuple(int(p) for p in pos[n, i])} outside "
                            f"source {conn.source.name!r} (shape {src}); pass padding= to "
                            "add_connections to allow it")
@@ -248,7 +249,11 @@ class Frame:
         dest += np.bincount(lin.reshape(-1), g.reshape(-1), dest.size).reshape(dest.shape)
 
     def _to_param(self, slot: Slot, i, g) -> None:
-        g = np.broadcast_to(g, self.lanes)
+        """Add ``g`` into the parameter gradient; ``g`` has the read's shape (a static
+        index reads ``(1, neurons)``: do not count it once per batch item)."""
+        g = np.asarray(g, np.float64)
+        g = np.broadcast_to(g, self.lanes if isinstance(i, np.ndarray) else
+                            (g.shape[0] if g.ndim == 2 else 1, self.lanes[1]))
         if isinstance(i, np.ndarray):
             np.add.at(slot.grad, (np.broadcast_to(slot.rows, self.lanes), np.broadcast_to(i, self.lanes)), g)
         else:

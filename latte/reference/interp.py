@@ -153,7 +153,9 @@ class Interpreter:
                                       np.broadcast_to(unset, self.frame.lanes))
         return value
 
-    def read(self, ref: NeuronRef, mask: Mask):
+    def read(self, ref: NeuronRef | Var, mask: Mask):
+        if isinstance(ref, Var):
+            return self.var(ref.name, mask)
         return self.frame.read(ref, self.indices(ref, mask), mask)
 
     def indices(self, ref: NeuronRef, mask: Mask) -> tuple:
