@@ -41,12 +41,12 @@ def vgg_block():
     return _loss(net, FullyConnectedLayer("ip", net, pool, 10), label)
 
 
-def mlp():
-    """Two fully connected layers: the smallest net with two kernels and an update."""
+def mlp(hidden: int = 9):
+    """Two fully connected layers: a small net that compiles fast."""
     from latte.stdlib import FullyConnectedLayer, ReLULayer
 
     net, data, label = _net(3, (12,))
-    r = ReLULayer("relu", net, FullyConnectedLayer("ip1", net, data, 9))
+    r = ReLULayer("relu", net, FullyConnectedLayer("ip1", net, data, hidden))
     return _loss(net, FullyConnectedLayer("ip2", net, r, 5), label)
 
 
@@ -68,7 +68,7 @@ def _loss(net, top, label):
     return net
 
 
-NETS = {"lenet": lenet, "vgg_block": vgg_block, "mlp": mlp}
+NETS = {"lenet": lenet, "vgg_block": vgg_block, "mlp": mlp, "mlp2": lambda: mlp(17)}
 
 
 def report(net) -> dict:

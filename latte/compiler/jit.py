@@ -82,8 +82,8 @@ class Target:
         obj = cache.load(key)
         if obj is not None:
             # the object carries every symbol: MCJIT needs a module, any will do
-            return CodeLibrary(self._engine(llvm.parse_assembly(""), obj), True, key, digest)
-        module = llvm.parse_assembly(ir_text)
+            return CodeLibrary(self._engine(self._module(""), obj), True, key, digest)
+        module = self._module(ir_text)
         module.verify()
         self.optimize(module)
         compiled: list[bytes] = []
@@ -92,11 +92,16 @@ class Target:
             cache.store(key, compiled[0])
         return CodeLibrary(engine, False, key, digest)
 
+    def _module(self, ir_text: str) -> llvm.ModuleRef:
+        """``ir_text`` parsed, for this target (O3 needs the data layout)."""
+        module = llvm.parse_assembly(ir_text)
+        module.triple = self.machine.triple
+        module.data_layout = str(self.machine.target_data)
+        return module
+
     def _engine(self, module: llvm.ModuleRef, obj: bytes | None, notify=None):
         """A finalized MCJIT engine for ``module``, or for the object ``obj`` compiled from
         it; ``notify`` receives the object the engine compiles (when ``obj`` is None)."""
-        module.triple = self.machine.triple
-        module.data_layout = str(self.machine.target_data)
         engine = llvm.create_mcjit_compiler(module, self.new_machine())
         engine.set_object_cache(lambda _mod, data: notify(data) if notify else None,
                                 lambda _mod: obj)

@@ -1,0 +1,198 @@
+"""The disk cache of compiled objects cannot poison itself: a damaged entry (truncated,
+altered, empty, foreign, made for another key) is reported, deleted and rebuilt, in a new
+process, with the same results as a fresh compile; entries hold only the optimized module's
+object; two processes filling one cache at once leave valid entries."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import llvmlite.binding as llvm
+import pytest
+
+from latte.compiler import cache
+from latte.compiler.jit import target
+
+WORKER = Path(__file__).with_name("net_worker.py")
+NETS = ["mlp", "mlp2"]
+
+# y[i] = 2 * x[i] + 1 over n floats: O3 vectorizes the loop, so its object differs
+SCALE = """
+define void @scale(float* %x, float* %y, i64 %n) {
+entry:
+  br label %loop
+loop:
+  %i = phi i64 [0, %entry], [%j, %loop]
+  %p = getelementptr float, float* %x, i64 %i
+  %v = load float, float* %p
+  %w = fmul float %v, 2.0
+  %z = fadd float %w, 1.0
+  %q = getelementptr float, float* %y, i64 %i
+  store float %z, float* %q
+  %j = add i64 %i, 1
+  %c = icmp slt i64 %j, %n
+  br i1 %c, label %loop, label %exit
+exit:
+  ret void
+}
+"""
+
+
+def _start(folder: Path) -> subprocess.Popen:
+    env = dict(os.environ, LATTE_CACHE_DIR=str(folder))
+    return subprocess.Popen([sys.executable, str(WORKER), *NETS], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _finish(proc: subprocess.Popen) -> tuple[dict, str]:
+    """The worker's reports by net name, and its stderr; it must exit 0."""
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return {r["net"]: r for r in map(json.loads, out.splitlines()) if r}, err
+
+
+def _entries(folder: Path, reports: dict) -> dict[str, bytes]:
+    return {net: (folder / f"{r['key']}.o").read_bytes() for net, r in reports.items()}
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    """A cold compile of the nets into an empty cache: reports and entries."""
+    folder = tmp_path_factory.mktemp("fresh")
+    reports, err = _finish(_start(folder))
+    assert "damaged" not in err
+    return reports, _entries(folder, reports)
+
+
+# ---------------------------------------------------------------- entries, in process
+
+def test_entries_that_fail_their_check_are_rejected():
+    key, other, obj = "0" * 32, "1" * 32, b"\x7fELF object code" * 100
+    entry = cache.pack(key, obj)
+    assert cache.unpack(key, entry) == obj
+    flipped = bytearray(entry)
+    flipped[-7] ^= 0x20
+    for bad in (entry[:-1], entry[:40], b"", bytes(flipped), obj, cache.pack(other, obj),
+                entry + b"\0"):
+        with pytest.raises(ValueError):
+            cache.unpack(key, bad)
+
+
+def test_a_damaged_entry_is_reported_once_and_deleted(tmp_path, monkeypatch):
+    monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
+    key = "2" * 32
+    path = cache.entry_path(key)
+    path.write_bytes(cache.pack(key, b"object")[:-2])
+    with pytest.warns(RuntimeWarning, match=str(path)):
+        assert cache.load(key) is None
+    assert not path.exists()
+    cache.store(key, b"object")
+    assert cache.load(key) == b"object"
+
+
+def test_a_failed_write_leaves_the_old_entry_and_no_temporary_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
+    key = "3" * 32
+    cache.store(key, b"old")
+
+    def fail(*_):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    cache.store(key, b"new")
+    assert cache.load(key) == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == [f"{key}.o"]
+
+
+def _object(ir_text: str, optimize: bool) -> bytes:
+    """The object MCJIT compiles from ``ir_text`` (after O3 when ``optimize``)."""
+    t = target()
+    module = llvm.parse_assembly(ir_text)
+    module.triple, module.data_layout = t.machine.triple, str(t.machine.target_data)
+    if optimize:
+        t.optimize(module)
+    engine = llvm.create_mcjit_compiler(module, t.new_machine())
+    out = []
+    engine.set_object_cache(lambda _m, data: out.append(data), lambda _m: None)
+    engine.finalize_object()
+    return out[0]
+
+
+def test_the_cached_object_is_the_optimized_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
+    lib = target().compile(SCALE)
+    assert not lib.from_cache and lib.address("scale")
+    stored = cache.load(lib.key)
+    assert stored == _object(SCALE, optimize=True)
+    assert stored != _object(SCALE, optimize=False)
+    again = target().compile(SCALE)
+    assert again.from_cache and again.address("scale")
+    assert cache.load(lib.key) == stored     # a hit writes nothing
+
+
+# ---------------------------------------------------------------- damaged entries, new process
+
+def _truncate(entries: dict[str, Path]):
+    p = entries["mlp"]
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def _flip(entries: dict[str, Path]):
+    p = entries["mlp"]
+    data = bytearray(p.read_bytes())
+    data[len(data) * 2 // 3] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+def _empty(entries: dict[str, Path]):
+    entries["mlp"].write_bytes(b"")
+
+
+def _foreign(entries: dict[str, Path]):
+    """A raw object without header, as the first cache format wrote."""
+    p = entries["mlp"]
+    p.write_bytes(cache.unpack(p.stem, p.read_bytes()))
+
+
+def _swap(entries: dict[str, Path]):
+    a, b = entries["mlp"], entries["mlp2"]
+    data = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(data)
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip, _empty, _foreign, _swap],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_damaged_entry_is_rebuilt_in_a_new_process(tmp_path, fresh, damage):
+    reports, entries = fresh
+    paths = {net: tmp_path / f"{reports[net]['key']}.o" for net in NETS}
+    for net in NETS:
+        paths[net].write_bytes(entries[net])
+    damage(paths)
+    damaged = [net for net in NETS if paths[net].read_bytes() != entries[net]]
+    again, err = _finish(_start(tmp_path))
+    for net in NETS:
+        assert again[net]["results"] == reports[net]["results"], net
+        assert again[net]["from_cache"] == (net not in damaged), net
+        assert paths[net].read_bytes() == entries[net], f"{net}: entry not rebuilt as fresh"
+    assert err.count("damaged cache entry") == len(damaged), err
+    for net in damaged:
+        assert str(paths[net]) in err
+
+
+def test_two_processes_fill_one_cache_at_once(tmp_path, fresh):
+    reports, entries = fresh
+    procs = [_start(tmp_path), _start(tmp_path)]
+    for proc in procs:
+        got, err = _finish(proc)
+        assert "damaged" not in err
+        assert {n: r["results"] for n, r in got.items()} == {n: r["results"] for n, r in reports.items()}
+    assert _entries(tmp_path, reports) == entries
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{r['key']}.o" for r in reports.values())
+    got, err = _finish(_start(tmp_path))
+    assert all(r["from_cache"] for r in got.values()) and "damaged" not in err
