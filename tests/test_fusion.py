@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from helpers import WeightedSumLoss, fill, fill_labels
 
-import latte.compiler
+import latte.compiler.pipeline
 from latte import Net, Phase
 from latte.compiler import machine
 from latte.compiler.explain import explain_program
@@ -233,7 +233,7 @@ L2_SIZES = (None, 32 << 10, 8 << 10)
 def _set_l2(monkeypatch, size: int | None) -> None:
     if size is not None:
         sizes = {**machine.cache_sizes(), 2: size}
-        monkeypatch.setattr(latte.compiler, "cache_sizes", lambda: sizes)
+        monkeypatch.setattr(latte.compiler.pipeline, "cache_sizes", lambda: sizes)
 
 
 @pytest.fixture(scope="module")

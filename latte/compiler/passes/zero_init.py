@@ -33,7 +33,6 @@ from latte.compiler.ir import (
     Ref,
     accesses,
     rewrite,
-    walk,
 )
 
 

@@ -1,0 +1,76 @@
+"""Checks on the net's graph before anything is compiled: what the compiler cannot run
+correctly is an error naming the ensembles, never a silently wrong program."""
+
+from __future__ import annotations
+
+from latte.errors import MappingError
+from latte.lang import ActivationEnsemble, NormalizationEnsemble
+
+
+def check_graph(net) -> None:
+    """Raise :class:`MappingError` for recurrent connections, cycles, and in-place
+    activations whose source has other readers."""
+    _check_recurrence(net)
+    _check_activations(net)
+
+
+def _sources(net, ens) -> list:
+    """The ensembles ``ens`` reads, in a fixed order."""
+    if isinstance(ens, NormalizationEnsemble):
+        return list(ens.inputs)
+    if isinstance(ens, ActivationEnsemble):
+        return [ens.source]
+    return [c.source for c in net.connections_into(ens)]
+
+
+def _check_recurrence(net) -> None:
+    recurrent = [c for c in net.connections if c.recurrent]
+    if recurrent:
+        raise MappingError(f"{recurrent[0].describe()} is recurrent: recurrent connections "
+                           "(time steps) are not implemented yet")
+    order = {e: i for i, e in enumerate(net.ensembles)}
+    state: dict = {}      # ensemble -> 1 while on the DFS stack, 2 when done
+    for root in net.ensembles:
+        stack = [(root, iter(_sources(net, root)))]
+        state[root] = state.get(root) or 1
+        if state[root] == 2:
+            continue
+        path = [root]
+        while stack:
+            ens, it = stack[-1]
+            src = next(it, None)
+            if src is None:
+                state[ens] = 2
+                stack.pop()
+                path.pop()
+            elif state.get(src) == 1:
+                cycle = path[path.index(src):] + [src]
+                raise MappingError("the connections form a cycle "
+                                   f"{' <- '.join(repr(e.name) for e in cycle)}; a cycle must "
+                                   "pass through a recurrent connection (time steps), which is "
+                                   "not implemented yet")
+            elif state.get(src) is None and src in order:
+                state[src] = 1
+                stack.append((src, iter(_sources(net, src))))
+                path.append(src)
+
+
+def _check_activations(net) -> None:
+    """An in-place activation must be the only reader of its source's values."""
+    for ens in net.ensembles:
+        if not isinstance(ens, ActivationEnsemble):
+            continue
+        src = ens.source
+        if isinstance(src, ActivationEnsemble):
+            raise MappingError(f"activation {ens.name!r} works in place on {src.name!r}, itself an "
+                               "in-place activation; chained in-place activations would back-"
+                               "propagate through overwritten values")
+        readers = [c.sink.name for c in net.connections if c.source is src]
+        readers += [e.name for e in net.ensembles if isinstance(e, NormalizationEnsemble)
+                    and any(i is src for i in e.inputs)]
+        readers += [e.name for e in net.ensembles if isinstance(e, ActivationEnsemble)
+                    and e.source is src and e is not ens]
+        if readers:
+            raise MappingError(f"activation {ens.name!r} works in place on {src.name!r}, but "
+                               f"{readers} also read {src.name!r}; connect them to {ens.name!r} "
+                               "instead or use a layer that is not in place")

@@ -1,0 +1,238 @@
+"""The compiler's pipeline: a declared list of named steps, run by :func:`compile_net`.
+
+Each step has a name, the lowest opt level it runs at, and a function. A kernel step is
+``fn(c, kernel) -> kernel``, applied to every ensemble's forward and backward kernel; a
+net step is ``fn(c) -> None`` over the whole :class:`Compilation` (planning fusion,
+merging groups, scheduling). After every step each kernel is verified (bounds,
+well-formedness) and, with ``LATTE_DUMP=ir`` (every step) or ``LATTE_DUMP=ir:STEP`` (one),
+printed to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from latte.compiler import schedule
+from latte.compiler.buffers import BufferPlan
+from latte.compiler.codegen import ModuleBuilder
+from latte.compiler.fusion import ROW_DIM, fusion_groups, keep_or_recompute, merge
+from latte.compiler.graph_checks import check_graph
+from latte.compiler.ir import Block, Kernel, Ref, walk
+from latte.compiler.jit import target
+from latte.compiler.machine import cache_sizes
+from latte.compiler.mapping import analyze_connection
+from latte.compiler.passes import (
+    copy_windows,
+    distribute_loops,
+    fold_zero_init,
+    fuse_nests,
+    localize,
+    match_gemm,
+    parallelize,
+    prune_dead_gradients,
+    tile_loops,
+)
+from latte.compiler.printer import format_ir
+from latte.compiler.program import EnsemblePlan, Program, Segment
+from latte.compiler.synthesis import synthesize
+from latte.compiler.verify import verify_kernel
+from latte.lang import DataEnsemble, Ensemble, NormalizationEnsemble
+
+PHASES = ("forward", "backward")
+
+
+@dataclass
+class Compilation:
+    """The state the steps share: the net, its buffers, per-ensemble plans and kernels."""
+
+    net: object
+    opt_level: int
+    bufs: BufferPlan
+    split: bool
+    budget: int = 0                                  # bytes a tile's working set may use
+    dead: frozenset = frozenset()                    # gradients nothing needs (data)
+    plans: list[EnsemblePlan] = field(default_factory=list)
+    groups: list = field(default_factory=list)       # fused groups (opt level 3)
+    first_touch: dict = field(default_factory=dict)  # ensemble -> gradients still zero there
+    pre_zeroed: set = field(default_factory=set)     # gradients their first writer overwrites
+    program: Program | None = None
+
+    def kernels(self) -> list[Kernel]:
+        """Every ensemble kernel, then the scheduled ones (zeroing, updates)."""
+        found = [p.kernels[ph] for p in self.plans for ph in PHASES if ph in p.kernels]
+        if self.program is not None:
+            found += [k for s in self.program.segments() for k in s.kernels if k.ensemble is None]
+        return found
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    min_opt: int
+    fn: Callable
+    per_kernel: bool = True
+
+
+# ------------------------------------------------------------------ net steps
+
+def _analyze(c: Compilation) -> None:
+    """Mapping functions -> affine access relations (isl) or gather tables."""
+    for ens in c.net.ensembles:   # every ensemble has values and gradients, used or not
+        c.bufs.value(ens), c.bufs.grad(ens)
+    c.dead = frozenset(c.bufs.grad(e) for e in c.net.ensembles
+                       if isinstance(e, DataEnsemble) and not getattr(e, "needs_grad", False))
+    c.plans = [EnsemblePlan(e, [analyze_connection(k) for k in c.net.connections_into(e)])
+               for e in c.net.ensembles if isinstance(e, Ensemble)]
+
+
+def _synthesize(c: Compilation) -> None:
+    """Neuron bodies -> loop nests over (batch, ensemble dims), SoA buffer refs."""
+    for plan in c.plans:
+        for phase in PHASES:
+            plan.kernels[phase] = synthesize(plan.ensemble, phase, plan.accesses, c.bufs)
+
+
+def _plan_fusion(c: Compilation) -> None:
+    """Chains whose tile T reads only the producer's tiles near T (isl), sized to the cache."""
+    c.groups = fusion_groups(c.net, c.plans, c.budget, c.bufs.threads)
+
+
+def _first_touch(c: Compilation) -> None:
+    """Per ensemble, the gradient buffers its backward kernel is the first to touch (in
+    backward order): they are still zero when it runs. Host steps (losses) come first."""
+    seen = set(c.dead) | {c.bufs.grad(i) for e in c.net.ensembles
+                          if isinstance(e, NormalizationEnsemble) for i in e.inputs}
+    for plan in reversed(c.plans):
+        touched = {r.buffer for r in walk(plan.kernels["backward"].body) if isinstance(r, Ref)}
+        c.first_touch[plan.ensemble] = frozenset(b for b in touched - seen if b.key[1] == "grad")
+        seen |= touched
+
+
+def _fold_zero_init(c: Compilation, kernel: Kernel) -> Kernel:
+    """The first writer of a zeroed buffer overwrites it (a GEMM with beta = 0, a store)."""
+    if kernel.phase != "backward":
+        return fold_zero_init(kernel)[0]
+    ens = kernel.ensemble
+    zeroed = frozenset(c.bufs.field_grad(ens, f.name) for f in ens.params) | c.first_touch[ens]
+    kernel, folded = fold_zero_init(kernel, zeroed)
+    c.pre_zeroed |= folded
+    return kernel
+
+
+def _fuse_groups(c: Compilation) -> None:
+    """Each fused group's kernels become one, run by its owner; what backward needs (a
+    pool's arg-max) is kept, or recomputed per tile if that moves fewer bytes."""
+    for group in c.groups:
+        keep_or_recompute(group, c.bufs)
+        for phase in PHASES:
+            fused = merge(group, phase)
+            for plan in group.plans:
+                plan.kernels[phase] = replace(plan.kernels[phase], body=Block(()))
+            group.owner(phase).kernels[phase] = fused
+
+
+def _localize_recomputed(c: Compilation) -> None:
+    """Recomputed fields live in per-thread tile buffers of the backward group."""
+    for group in c.groups:
+        owner = group.owner("backward")
+        again = {b for ch in group.choices.values() if ch.recompute for b in ch.fields}
+        owner.kernels["backward"] = localize(owner.kernels["backward"], again, c.bufs)
+
+
+def _schedule(c: Compilation) -> None:
+    """Kernels -> segments and host steps per phase; zeroing and update kernels."""
+    net, bufs = c.net, c.bufs
+    params = [(e, f.name) for e in net.ensembles if isinstance(e, Ensemble) for f in e.params]
+    by_ens = {p.ensemble: p for p in c.plans}
+    forward = schedule.phase_steps(net.ensembles, by_ens, "forward", "fwd", c.split)
+    test = schedule.test_steps(forward, c.groups, bufs)
+    backward = schedule.phase_steps(reversed(net.ensembles), by_ens, "backward", "bwd", c.split)
+    zero = parallelize(schedule.zero_grads(net, bufs, c.dead | c.pre_zeroed), bufs)
+    if backward and isinstance(backward[0], Segment) and not c.split:
+        backward[0] = Segment(backward[0].name, (zero, *backward[0].kernels))
+    else:
+        backward.insert(0, Segment("bwd_zero", (zero,)))
+    kernels = [parallelize(k, bufs) for k in schedule.update_kernels(params, bufs)]
+    update = ([Segment(f"update{p}", (k,)) for p, k in enumerate(kernels)] if c.split
+              else [Segment("update", tuple(kernels))])
+    c.program = Program(bufs, forward, backward, test, update, params, c.plans, c.opt_level,
+                        groups=c.groups, budget=c.budget)
+
+
+STEPS = (
+    Step("check_graph", 0, lambda c: check_graph(c.net), per_kernel=False),
+    Step("analyze", 0, _analyze, per_kernel=False),
+    Step("synthesize", 0, _synthesize, per_kernel=False),
+    # data ensembles need no gradient
+    Step("prune_dead_gradients", 0, lambda c, k: prune_dead_gradients(k, c.dead)),
+    # neuron bodies split into perfect nests
+    Step("distribute_loops", 1, lambda c, k: distribute_loops(k)),
+    Step("plan_fusion", 3, _plan_fusion, per_kernel=False),
+    Step("first_touch", 1, _first_touch, per_kernel=False),
+    # row-plane tiles sized to the cache budget (or to the fused group's)
+    Step("tile_loops", 2, lambda c, k: tile_loops(k, c.budget, _forced(c, k))),
+    # sliding windows gathered into tile buffers, then GEMMs over them
+    Step("copy_windows", 1, lambda c, k: copy_windows(k, c.bufs)),
+    Step("match_gemm", 1, lambda c, k: match_gemm(k)),
+    Step("fold_zero_init", 1, _fold_zero_init),
+    Step("fuse_groups", 3, _fuse_groups, per_kernel=False),
+    # nests over the same tiles run tile by tile
+    Step("fuse_nests", 2, lambda c, k: fuse_nests(k)),
+    # batch x tiles across threads, private gradients reduced in thread order
+    Step("parallelize", 2, lambda c, k: parallelize(k, c.bufs)),
+    Step("localize_recomputed", 3, _localize_recomputed, per_kernel=False),
+    Step("schedule", 0, _schedule, per_kernel=False),
+)
+
+
+def _forced(c: Compilation, kernel: Kernel) -> tuple[int, int] | None:
+    """The tile rows a fused group imposes on ``kernel``'s ensemble."""
+    for g in c.groups:
+        if kernel.ensemble in g.rows:
+            return ROW_DIM, g.rows[kernel.ensemble]
+    return None
+
+
+def _dump(step: str, kernels: list[Kernel]) -> None:
+    wanted = [d for d in os.environ.get("LATTE_DUMP", "").split(",") if d.startswith("ir")]
+    if any(d in ("ir", f"ir:{step}") for d in wanted):
+        for k in kernels:
+            print(f"==== {k.name} after {step}\n{format_ir(k)}", file=sys.stderr)
+
+
+def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: int = 1) -> Program:
+    """Analyse, synthesize, optimize and JIT-compile ``net`` for ``threads`` threads.
+
+    ``split_segments`` gives each ensemble's forward and backward its own native segment
+    (and zeroing the gradients one of its own), so the runtime can act between ensembles:
+    start gradient reductions over MPI, time each ensemble when profiling.
+    """
+    c = Compilation(net, opt_level, BufferPlan(net.batch_size, threads if opt_level >= 2 else 1),
+                    split_segments, budget=cache_sizes()[2])  # a tile's working set: the L2
+    for step in STEPS:
+        if opt_level < step.min_opt:
+            continue
+        if step.per_kernel:
+            for plan in c.plans:
+                for phase in PHASES:
+                    plan.kernels[phase] = step.fn(c, plan.kernels[phase])
+        else:
+            step.fn(c)
+        kernels = c.kernels()
+        for kernel in kernels:
+            verify_kernel(kernel)
+        _dump(step.name, kernels)
+    # codegen: every segment into one LLVM module, then O3 + JIT (or the disk cache)
+    program = c.program
+    index = {b: i for i, b in enumerate(program.buffers.buffers.values())}
+    mb = ModuleBuilder(index, program.buffers.threads)
+    for seg in program.segments():
+        mb.add_segment(seg.name, list(seg.kernels))
+    ir_text = str(mb.module)
+    if "llvm" in os.environ.get("LATTE_DUMP", "").split(","):
+        print(f"==== LLVM IR\n{ir_text}", file=sys.stderr)
+    program.library = target().compile(ir_text)
+    return program

@@ -1,0 +1,67 @@
+"""What the compiler produces: segments of native code, host steps, and the per-ensemble plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from latte.compiler.buffers import BufferPlan
+from latte.compiler.ir import Kernel
+from latte.compiler.jit import CodeLibrary
+from latte.compiler.mapping import ConnAccess, fit_index_map
+from latte.lang import Ensemble, NormalizationEnsemble
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive kernels compiled into one native function."""
+
+    name: str
+    kernels: tuple[Kernel, ...]
+
+
+@dataclass(frozen=True)
+class HostStep:
+    """A normalization ensemble's array code, run by the runtime between segments."""
+
+    ensemble: NormalizationEnsemble
+    phase: str
+
+
+@dataclass
+class EnsemblePlan:
+    """What the compiler decided for one ensemble (``latte explain`` prints it)."""
+
+    ensemble: Ensemble
+    accesses: list[ConnAccess]
+    kernels: dict[str, Kernel] = field(default_factory=dict)
+
+    def param_shared_dims(self) -> dict[str, tuple[int, ...]]:
+        """Per parameter, the sink dims along which all neurons share one vector."""
+        out = {}
+        for f in self.ensemble.params:
+            fit = fit_index_map(self.ensemble, f)
+            out[f.name] = tuple(d for d in range(len(self.ensemble.shape))
+                                if all(a.coef(f"%{d}") == 0 for a in fit))
+        return out
+
+
+@dataclass
+class Program:
+    """A compiled net: buffers, the step lists of each phase, and the native code."""
+
+    buffers: BufferPlan
+    forward: list
+    backward: list
+    test: list            # the forward of Phase.TEST (fused intermediates in line buffers)
+    update: list          # SGD update segments (one per parameter when split)
+    params: list[tuple[Ensemble, str]]
+    plans: list[EnsemblePlan]
+    opt_level: int
+    library: CodeLibrary | None = None
+    groups: list = field(default_factory=list)   # fused groups (opt level 3)
+    budget: int = 0                               # bytes a tile's working set may use
+
+    def segments(self) -> list[Segment]:
+        """Every native segment, each once (the test forward shares unchanged ones)."""
+        steps = self.forward + self.backward + [s for s in self.test if s not in self.forward]
+        return [s for s in steps if isinstance(s, Segment)] + self.update

@@ -1,0 +1,93 @@
+"""Scheduling: optimized kernels -> the runtime's step lists (segments of native code and
+host steps per phase), the gradient-zeroing kernel and the SGD update kernels."""
+
+from __future__ import annotations
+
+from latte.compiler.buffers import BufferPlan
+from latte.compiler.ir import Affine, Assign, AugAssign, BinOp, Block, Kernel, Load, Loop, Ref, accesses
+from latte.compiler.passes import drop_stores, localize
+from latte.compiler.program import HostStep, Segment
+from latte.compiler.synthesis import zero_loop
+from latte.lang import ActivationEnsemble, Ensemble, NormalizationEnsemble
+
+
+def phase_steps(ensembles, by_ens, phase: str, prefix: str, split: bool = False) -> list:
+    """Consecutive kernels grouped into segments (one per kernel when ``split``)."""
+    steps, run = [], []
+
+    def flush():
+        if run:
+            steps.append(Segment(f"{prefix}{len(steps)}", tuple(run)))
+            run.clear()
+
+    for ens in ensembles:
+        if ens in by_ens:
+            kernel = by_ens[ens].kernels[phase]
+            if kernel.body.stmts:
+                run.append(kernel)
+                if split:
+                    flush()
+        elif isinstance(ens, NormalizationEnsemble):
+            flush()
+            steps.append(HostStep(ens, phase))
+    flush()
+    return steps
+
+
+def test_steps(forward: list, groups: list, bufs: BufferPlan) -> list:
+    """The forward steps of ``Phase.TEST``. No backward follows, so ``Batch`` fields that
+    forward only writes (a max-pool's arg-max) are not stored, and each fused group keeps
+    the intermediate values nothing after it reads (its members' but the last one's) in
+    per-thread line buffers."""
+    kernels = [k for s in forward if isinstance(s, Segment) for k in s.kernels]
+    found = [accesses(k.body) for k in kernels]
+    hosts = {bufs.value(i) for s in forward if isinstance(s, HostStep) for i in s.ensemble.inputs}
+    read = hosts | {a.buffer for f in found for a in f if not a.written}
+    dead = {a.buffer for f in found for a in f if a.written and a.buffer.batched
+            and a.buffer.key[1] not in ("value", "grad")} - read
+    owners = {g.owner("forward").kernels["forward"].name: g for g in groups}
+    test = {}
+    for i, k in enumerate(kernels):
+        kernel = drop_stores(k, dead)
+        if k.name in owners:
+            values = [bufs.value(p.ensemble) for p in owners[k.name].plans]
+            elsewhere = hosts | {a.buffer for j, f in enumerate(found) if j != i for a in f}
+            kernel = localize(kernel, set(values[:-1]) - {values[-1]} - elsewhere, bufs)
+        if kernel is not k:
+            test[k.name] = kernel
+    return [Segment(f"test_{s.name}", tuple(test.get(k.name, k) for k in s.kernels))
+            if isinstance(s, Segment) and any(k.name in test for k in s.kernels) else s
+            for s in forward]
+
+
+def zero_grads(net, bufs: BufferPlan, skip) -> Kernel:
+    """``grad[:] = 0`` for every gradient buffer not in ``skip`` (dead, or overwritten by
+    its first writer)."""
+    grads = []
+    for ens in net.ensembles:
+        if not isinstance(ens, ActivationEnsemble):
+            g = bufs.grad(ens)
+            if g not in skip:
+                grads.append(g)
+        if isinstance(ens, Ensemble):
+            grads += [g for f in ens.params if (g := bufs.field_grad(ens, f.name)) not in skip]
+    body = Block(tuple(zero_loop(g, f"_z{i}") for i, g in enumerate(grads)))
+    return Kernel("zero_grads", body, None, "backward")
+
+
+def update_kernels(params, bufs: BufferPlan) -> list[Kernel]:
+    """Per parameter, SGD with momentum: ``hist = mom*hist + lr*(grad + decay*param);
+    param -= hist``. The runtime writes ``lr``, ``mom`` and ``decay`` per parameter into the
+    scalar buffer."""
+    scal = bufs.scalars(3 * len(params))
+    kernels = []
+    for p, (ens, name) in enumerate(params):
+        val, grad, hist = bufs.field(ens, name), bufs.field_grad(ens, name), bufs.history(ens, name)
+        i = Affine.of(f"_u{p}")
+        v, g, h = (Ref(b, (i,), (b.size,)) for b in (val, grad, hist))
+        lr, mom, decay = (Load(Ref(scal, (Affine((), 3 * p + j),), scal.shape)) for j in range(3))
+        new_hist = BinOp("+", BinOp("*", mom, Load(h)),
+                         BinOp("*", lr, BinOp("+", Load(g), BinOp("*", decay, Load(v)))))
+        loop = Loop(f"_u{p}", 0, val.size, Block((Assign(h, new_hist), AugAssign(v, "-", Load(h)))))
+        kernels.append(Kernel("sgd_update", Block((loop,)), None, "update"))
+    return kernels
