@@ -19,7 +19,7 @@ from test_user_neuron import (
     SquareNeuron,
 )
 
-from latte import Batch, Ensemble, Net, Neuron, Param, add_connections
+from latte import ActivationEnsemble, Batch, Ensemble, Net, Neuron, Param, add_connections
 from latte.errors import MappingError, NeuronRuntimeError, NeuronSyntaxError
 from latte.reference import Reference, has_backward
 from latte.stdlib import (
@@ -349,7 +349,7 @@ class GatedNeuron(Neuron):
             else:
                 acc = acc * 0.5 + math.log(1.0 + u * u)
         self.best = top
-        self.value = acc * self.inputs[1][0] + (top if acc > 0.0 else -top)
+        self.value = acc * self.inputs[1][0] + (self.best if acc > 0.0 else -self.best)
 
 
 def _gated(net, rng):
@@ -388,6 +388,42 @@ def test_tape_gradient_equals_the_hand_written_backward():
                       ref.param_grads["sq.bias"].copy()))
     for hand, taped in zip(*grads):
         np.testing.assert_allclose(taped, hand, rtol=1e-12, atol=1e-14)
+
+
+class SoftplusForward(Neuron):
+    """An in-place activation without a backward: its input is its value."""
+
+    def forward(self):
+        self.value = math.log(1.0 + math.exp(self.value))
+
+
+class ReLUForward(Neuron):
+    def forward(self):
+        self.value = max(self.value, 0.0)
+
+
+def test_forward_only_activations_by_tape():
+    grads = {}
+    for neuron in (SoftplusForward, ReLUForward, ReLULayer):
+        net = Net(B)
+        x = MemoryDataLayer(net, "x", (7,))
+        fc = FullyConnectedLayer("fc", net, x, 6)
+        if neuron is ReLULayer:
+            ReLULayer("act", net, fc)
+        else:
+            ActivationEnsemble(net, "act", neuron, fc)
+        WeightedSumLoss(net, "loss", net.ensemble("act"))
+        ref = Reference(net, params={"fc.weights": np.random.default_rng(1).standard_normal((6, 7)),
+                                     "fc.bias": np.random.default_rng(2).standard_normal((6, 1))})
+        feed = {"x": np.random.default_rng(3).standard_normal((B, 7))}
+        targets = _gradient_targets(ref, feed)
+        if neuron is SoftplusForward:
+            pre = feed["x"] @ ref.params["fc.weights"].T + ref.params["fc.bias"][:, 0]
+            np.testing.assert_allclose(ref.values["act"], np.log1p(np.exp(pre)), rtol=1e-12)
+            _fd_check(ref, feed, targets)
+        grads[neuron] = targets
+    for (name, _, hand), (_, _, taped) in zip(grads[ReLULayer], grads[ReLUForward]):
+        np.testing.assert_allclose(taped, hand, rtol=1e-12, atol=1e-14, err_msg=name)
 
 
 def test_sgd_step_matches_the_compiled_update():
@@ -472,8 +508,8 @@ def test_bad_neuron_bodies_raise(neuron, message):
     feed["x"][1, 3] = 1.0                     # neuron (1,), batch item 1 takes the branch
     with pytest.raises((NeuronRuntimeError, NeuronSyntaxError), match=message) as info:
         ref.forward(feed)
+    assert f"{__file__}:" in str(info.value)   # the file and line of the statement
     if isinstance(info.value, NeuronSyntaxError):   # the frontend rejects it before it runs
-        assert f"{__file__}:" in str(info.value)
         return
     assert "ensemble 'bad'" in str(info.value)
     if neuron in (GuardedUnassigned, GuardedOutOfRange):

@@ -55,16 +55,23 @@ def _entries(conn: Connection, idx: tuple[int, ...]) -> tuple[range, ...]:
 def gather_table(conn: Connection) -> Table:
     """Call ``conn.mapping`` at every sink neuron and tabulate what each one reads."""
     sink, src = conn.sink.shape, conn.source.shape
-    positions = []   # per neuron: (L, source ndim) positions, row-major over the entries
-    for idx in np.ndindex(*sink):
-        grid = np.meshgrid(*(np.arange(r.start, r.stop, r.step) for r in _entries(conn, idx)),
-                           indexing="ij")
-        positions.append(np.stack([g.reshape(-1) for g in grid], axis=-1))
-        if len(positions[-1]) != len(positions[0]):
-            raise MappingError(f"{conn.describe()}: sink neuron {idx} reads {len(positions[-1])} "
-                               f"source neurons but neuron {(0,) * len(sink)} reads "
-                               f"{len(positions[0])}; every sink neuron must read the same number")
-    pos = np.stack(positions)                                   # (N, L, D)
+    entries = [_entries(conn, idx) for idx in np.ndindex(*sink)]
+    lengths = {tuple(len(r) for r in e) for e in entries}
+    if len(lengths) == 1:   # the usual case: one window shape, vectorized over neurons
+        starts = np.array([[r.start for r in e] for e in entries], np.int64).reshape(-1, len(src))
+        steps = np.array([[r.step for r in e] for e in entries], np.int64).reshape(-1, len(src))
+        grid = np.stack(np.meshgrid(*(np.arange(n) for n in lengths.pop()), indexing="ij"),
+                        -1).reshape(-1, len(src))
+        pos = starts[:, None, :] + steps[:, None, :] * grid[None]
+    else:
+        pos = [np.stack(np.meshgrid(*(np.arange(r.start, r.stop, r.step) for r in e),
+                                    indexing="ij"), -1).reshape(-1, len(src)) for e in entries]
+        for idx, p in zip(np.ndindex(*sink), pos):
+            if len(p) != len(pos[0]):
+                raise MappingError(f"{conn.describe()}: sink neuron {idx} reads {len(p)} source "
+                                   f"neurons but neuron {(0,) * len(sink)} reads {len(pos[0])}; "
+                                   "every sink neuron must read the same number")
+        pos = np.stack(pos)                                         # (N, L, D)
     if pos.shape[1] == 0:
         raise MappingError(f"{conn.describe()}: the mapping selects no source neuron")
     inside = ((pos >= 0) & (pos < np.array(src))).all(axis=-1)   # (N, L)
@@ -125,7 +132,10 @@ class Frame:
         self.ens, self.tables, self.sources, self.source_grads = ens, tables, sources, source_grads
         self.slots, self.value, self.grad, self.trace = slots, value, grad, trace
         self.lanes = (batch, ens.size)
-        self.loc = None   # the statement being run, where the IR knows it
+        self.loc = None   # the statement being run (ir.Loc), for errors
+        # traced Batch field writes at constant indices, so the tape follows a value kept in
+        # a field and read back (the arrays hold plain values)
+        self.kept: dict[tuple[str, int], object] = {}
 
     # ------------------------------------------------------------ errors
     def fail(self, message: str, where: Mask = True) -> NeuronRuntimeError:
@@ -184,12 +194,16 @@ class Frame:
         if ref.kind == "input":
             t = self.tables[ref.conn]
             cols, valid = self._columns(t, i)
-            v = np.take_along_axis(self.sources[ref.conn], np.broadcast_to(cols, self.lanes), 1)
+            src = self.sources[ref.conn]
+            v = (src[:, cols[0]] if cols.shape[0] == 1 else
+                 np.take_along_axis(src, np.broadcast_to(cols, self.lanes), 1))
             if valid is not None:
                 v = np.where(valid, v, t.conn.padding)
             if self.trace:
                 return tape.Node(v, sink=lambda g: self._scatter(ref.conn, i, g))
             return v
+        if isinstance(i, int) and (ref.name, i) in self.kept:
+            return self.kept[ref.name, i]
         slot = self.slots[ref.name]
         v = self._field(slot, i)
         if self.trace and slot.grad is not None:
@@ -205,6 +219,10 @@ class Frame:
                             "and locals; gradients take += or -=)", mask)
         slot, i = self.slots[ref.name], self.flat_index(ref, idx, mask)
         old = self._field(slot, i)
+        if self.trace and isinstance(i, int):
+            self.kept[ref.name, i] = merge(mask, value, self.kept.get((ref.name, i), old))
+        elif self.trace:   # an index that varies: later reads see plain values
+            self.kept = {k: v for k, v in self.kept.items() if k[0] != ref.name}
         new = np.broadcast_to(np.where(mask, tape.raw(value), old), self.lanes)
         b = np.arange(self.lanes[0])[:, None]
         slot.array[b, slot.rows[None, :], np.broadcast_to(i, self.lanes)] = new

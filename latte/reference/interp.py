@@ -60,7 +60,7 @@ class Interpreter:
     # ------------------------------------------------------------ statements
     def block(self, block: Block, mask: Mask) -> None:
         for s in block.stmts:
-            self.frame.loc = getattr(s, "loc", None) or self.frame.loc
+            self.frame.loc = s.loc or self.frame.loc
             self.stmt(s, mask)
 
     def stmt(self, s, mask: Mask) -> None:
