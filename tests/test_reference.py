@@ -426,6 +426,27 @@ def test_forward_only_activations_by_tape():
         np.testing.assert_allclose(taped, hand, rtol=1e-12, atol=1e-14, err_msg=name)
 
 
+class FloorNeuron(Neuron):
+    """Integer ``//`` and ``%`` of negative numbers floor, as in Python."""
+
+    def forward(self):
+        for i in range(len(self.inputs[0])):
+            self.value += ((i - 3) // 2) * self.inputs[0][i] + (i - 3) % 2 + self.inputs[0][i] % 0.75
+
+
+def test_integer_division_floors():
+    net = Net(B)
+    x = MemoryDataLayer(net, "x", (6,))
+    add_connections(net, x, Ensemble(net, "e", FloorNeuron, (1,)), lambda i: (range(6),))
+    ref = Reference(net)
+    xv = np.random.default_rng(12).standard_normal((B, 6))
+    ref.forward({"x": xv})
+    i = np.arange(6)
+    np.testing.assert_allclose(ref.values["e"][:, 0],
+                               (((i - 3) // 2) * xv + (i - 3) % 2 + np.mod(xv, 0.75)).sum(1),
+                               rtol=1e-12)
+
+
 def test_sgd_step_matches_the_compiled_update():
     rng = np.random.default_rng(10)
     net = Net(B, opt_level=0)
