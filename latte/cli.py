@@ -1,5 +1,5 @@
 """The ``latte`` command: ``latte run NET.py`` trains a net script, ``latte explain NET.py``
-prints the compiler's plan for it."""
+prints the compiler's plan for it, ``latte check NET.py`` checks its compiled code."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tqdm import tqdm
 import latte
 import latte.solvers
 import latte.solvers.sgd
+from latte.check import check
 from latte.compiler.explain import explain_program
 from latte.errors import LatteError
 from latte.lang import Phase
@@ -98,6 +99,23 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("script", metavar="NET.py")
     _add_opt_level(explain)
     explain.set_defaults(action=_explain)
+
+    check = commands.add_parser("check", help="compare a net script's net at an opt level with "
+                                "level 0, and level 0's gradients with finite differences",
+                                description="Build NET.py's net(s) twice without training, feed "
+                                            "random data, and compare every ensemble's values "
+                                            "and gradients at level L with level 0, and level "
+                                            "0's gradients with central finite differences. "
+                                            "Exit status 1 when any disagree.")
+    check.add_argument("script", metavar="NET.py")
+    check.add_argument("--opt-level", type=int, choices=range(4), default=3, metavar="L",
+                       help="the level to check against level 0 (default 3)")
+    check.add_argument("--threads", type=_count(1), metavar="N", help="worker threads")
+    check.add_argument("--seed", type=int, default=0, metavar="S",
+                       help="seed of the random data and probes (default 0)")
+    check.add_argument("--probes", type=_count(1), default=1, metavar="N",
+                       help="finite-difference probes per array (default 1)")
+    check.set_defaults(action=_check)
     return parser
 
 
@@ -261,31 +279,8 @@ class _Profiler:
 
 
 # ---------------------------------------------------------------- latte explain
-class _Explained(BaseException):
-    """Stops the script once its nets are explained (a BaseException so that the script's
-    own ``except Exception`` cannot swallow it)."""
-
-
 def _explain(args: argparse.Namespace, script: str) -> int:
-    nets: list[Net] = []
-
-    def explain_and_stop(*_: Any, **__: Any) -> None:
-        _print_plans(nets)
-        raise _Explained
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_overrides(opt_level=args.opt_level))
-        stack.enter_context(_tracking(nets))
-        for owner in (latte.solvers, latte.solvers.sgd):
-            stack.enter_context(_patched(owner, "solve", explain_and_stop))
-        stack.enter_context(_patched(Net, "forward", explain_and_stop))
-        try:
-            _run_script(script)
-        except _Explained:
-            return 0
-    if not nets:
-        raise LatteError(f"{os.path.basename(script)} creates no latte.Net: nothing to explain")
-    _print_plans(nets)
+    _print_plans(_built_nets(script, "explain", opt_level=args.opt_level))
     return 0
 
 
@@ -296,6 +291,55 @@ def _print_plans(nets: list[Net]) -> None:
             print(f"#### net {i + 1} of {len(nets)} (batch size {net.batch_size})")
         print(explain_program(net.program), end="\n\n" if i + 1 < len(nets) else "\n",
               flush=True)
+
+
+# ---------------------------------------------------------------- latte check
+def _check(args: argparse.Namespace, script: str) -> int:
+    nets = _built_nets(script, "check", opt_level=args.opt_level, num_threads=args.threads)
+    # level 0 runs one segment per ensemble (as when profiling), so a probe can rerun the rest
+    refs = _built_nets(script, "check", opt_level=0, num_threads=args.threads, profile=True)
+    if len(nets) != len(refs):
+        raise LatteError(f"{os.path.basename(script)} built {len(nets)} nets, then {len(refs)}: "
+                         "cannot compare its builds")
+    failed = []
+    for i, (net, ref) in enumerate(zip(nets, refs)):
+        if len(nets) > 1:
+            print(f"#### net {i + 1} of {len(nets)} (batch size {net.batch_size})")
+        report = check(net, ref, seed=args.seed, probes=args.probes)
+        print(report.format(), flush=True)
+        failed += [r.name for r in report.failed()]
+    if failed:
+        print(f"latte check: {', '.join(failed)} disagree", file=sys.stderr)
+        return 1
+    return 0
+
+
+class _Built(BaseException):
+    """Stops a script once its nets are built (a BaseException so that the script's own
+    ``except Exception`` cannot swallow it)."""
+
+
+def _built_nets(script: str, what: str, **overrides: Any) -> list[Net]:
+    """Run ``script`` with ``overrides`` up to its first ``solve`` or ``Net.forward`` (or
+    to its end) and return the nets it built, for ``latte explain`` and ``latte check``."""
+    nets: list[Net] = []
+
+    def stop(*_: Any, **__: Any) -> None:
+        raise _Built
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_overrides(**overrides))
+        stack.enter_context(_tracking(nets))
+        for owner in (latte.solvers, latte.solvers.sgd):
+            stack.enter_context(_patched(owner, "solve", stop))
+        stack.enter_context(_patched(Net, "forward", stop))
+        try:
+            _run_script(script)
+        except _Built:
+            pass
+    if not nets:
+        raise LatteError(f"{os.path.basename(script)} creates no latte.Net: nothing to {what}")
+    return nets
 
 
 @contextlib.contextmanager
