@@ -1,10 +1,13 @@
 """Mapping analysis: mapping functions -> affine access relations (paper section 5.2).
 
-A mapping is an ordinary Python callable. We evaluate it on concrete sink indices, fit per
-source dimension ``lo + step * t`` (``0 <= t < length``) with ``lo`` affine in the sink
-index, verify the fit on many points (all of them for small ensembles), and build an isl
-map. A mapping that is not affine falls back to an explicit gather table. isl decides
-whether the accessed footprint stays inside the source.
+A mapping is an ordinary Python callable. Per source dimension we fit ``lo + step * t``
+(``0 <= t < length``) with ``lo`` affine in the sink index, proven at every sink neuron,
+never sampled: a large ensemble's mapping is called once on symbolic indices
+(:mod:`latte.compiler.symbolic`), which gives its result at every neuron at once; a mapping
+that cannot be traced, and every mapping of a small ensemble, is called at every neuron and
+the fit compared with all results (vectorized). A mapping that is not affine falls back to
+an explicit gather table. isl decides whether the accessed footprint stays inside the
+source. Fields' index maps are fitted the same way.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import islpy as isl
 import numpy as np
 
 from latte.compiler.ir import Affine
+from latte.compiler.symbolic import Sym, SymRange, Untraceable, trace
 from latte.errors import MappingError, ShapeError
 
-_EXHAUSTIVE = 4096   # check every sink index of ensembles up to this size
-_SAMPLES = 2048
+_EXHAUSTIVE = 4096   # ensembles up to this size: call the mapping at every neuron, always
+_CHECKS = 64         # random neurons where a real call must agree with the traced form
 
 
 def sink_var(d: int) -> str:
@@ -68,51 +72,108 @@ class ConnAccess:
                      if all(a.lo.coef(sink_var(d)) == 0 for a in self.dims))
 
 
-def _sample_points(shape: tuple[int, ...], seed: int = 0):
-    size = int(np.prod(shape))
-    if size <= _EXHAUSTIVE:
-        return list(itertools.product(*(range(d) for d in shape)))
-    corners = list(itertools.product(*({0, d - 1} for d in shape)))
+def _points(shape: tuple[int, ...]):
+    """Every index of ``shape``, row-major."""
+    return itertools.product(*(range(d) for d in shape))
+
+
+def _checks(shape: tuple[int, ...], seed: int = 0) -> list[tuple[int, ...]]:
+    """Corners, unit steps and a few random indices of ``shape``."""
+    pts = set(itertools.product(*({0, d - 1} for d in shape)))
+    pts |= {tuple(int(i == d and n > 1) for i in range(len(shape))) for d, n in enumerate(shape)}
     rng = np.random.default_rng(seed)
-    rand = [tuple(int(x) for x in p) for p in rng.integers(0, shape, size=(_SAMPLES, len(shape)))]
-    return corners + rand
+    pts |= {tuple(int(x) for x in p) for p in rng.integers(0, shape, size=(_CHECKS, len(shape)))}
+    return sorted(pts)
 
 
-def _fit(values: dict[tuple, int], shape: tuple[int, ...]) -> Affine | None:
-    """Fit ``values[idx] = c0 + sum c_d idx_d`` from the origin and unit steps; verify all."""
-    origin = (0,) * len(shape)
-    c0 = values[origin]
-    coeffs = {}
+def _fit_all(values: np.ndarray, shape: tuple[int, ...]) -> Affine | None:
+    """The affine form ``c0 + sum c_d idx_d`` equal to ``values`` (row-major over ``shape``)
+    at every index, or None: fitted from the origin and unit steps, compared everywhere."""
+    grid = values.reshape(shape)
+    c0 = int(grid[(0,) * len(shape)])
+    coeffs, pred = {}, np.full(shape, c0, dtype=np.int64)
     for d, extent in enumerate(shape):
         if extent > 1:
-            unit = tuple(1 if i == d else 0 for i in range(len(shape)))
-            if unit not in values:
-                return None
-            coeffs[sink_var(d)] = values[unit] - c0
-    fit = Affine.build(coeffs, c0)
-    for idx, v in values.items():
-        if c0 + sum(coeffs.get(sink_var(d), 0) * i for d, i in enumerate(idx)) != v:
-            return None
-    return fit
+            c = int(grid[tuple(int(i == d) for i in range(len(shape)))]) - c0
+            coeffs[sink_var(d)] = c
+            pred += c * np.arange(extent).reshape([-1 if i == d else 1 for i in range(len(shape))])
+    return Affine.build(coeffs, c0) if np.array_equal(grid, pred) else None
+
+
+def where(fn) -> str:
+    """``file:line: `` of a user's callable (a mapping, an index map), if known."""
+    code = getattr(fn, "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}: " if code is not None else ""
 
 
 def _entries(conn, idx) -> tuple:
     try:
         out = conn.mapping(*idx)
     except Exception as exc:  # noqa: BLE001 - user code; report where it failed
-        raise MappingError(f"{conn.describe()}: mapping raised {type(exc).__name__}: {exc} "
-                           f"for sink neuron {idx}") from exc
+        raise MappingError(f"{where(conn.mapping)}{conn.describe()}: mapping raised "
+                           f"{type(exc).__name__}: {exc} for sink neuron {idx}") from exc
     out = out if isinstance(out, (tuple, list)) else (out,)
     src_ndim = len(conn.source.shape)
     if len(out) != src_ndim:
-        raise ShapeError(f"{conn.describe()}: mapping returns {len(out)} entries for sink neuron "
-                         f"{idx}, but source {conn.source.name!r} has {src_ndim} dimension(s) "
-                         f"(shape {conn.source.shape})")
+        raise ShapeError(f"{where(conn.mapping)}{conn.describe()}: mapping returns {len(out)} "
+                         f"entries for sink neuron {idx}, but source {conn.source.name!r} has "
+                         f"{src_ndim} dimension(s) (shape {conn.source.shape})")
     for e in out:
         if not isinstance(e, (int, np.integer, range)):
-            raise MappingError(f"{conn.describe()}: mapping entries must be int or range, got "
-                               f"{type(e).__name__} for sink neuron {idx}")
+            raise MappingError(f"{where(conn.mapping)}{conn.describe()}: mapping entries must be "
+                               f"int or range, got {type(e).__name__} for sink neuron {idx}")
     return tuple(e if isinstance(e, range) else range(int(e), int(e) + 1) for e in out)
+
+
+def _ranges(dims: tuple[DimAccess, ...], idx: tuple[int, ...]) -> tuple[range, ...]:
+    """What fitted ``dims`` select for sink neuron ``idx``."""
+    at = {sink_var(d): (i, i) for d, i in enumerate(idx)}
+    return tuple(range(a.lo.bounds(at)[0], a.lo.bounds(at)[0] + a.step * a.length, a.step)
+                 for a in dims)
+
+
+def _traced_dims(conn) -> tuple[DimAccess, ...] | None:
+    """The mapping's accesses from one symbolic call (None if it cannot be traced, or a real
+    call disagrees: a mapping that looks at its arguments' types)."""
+    shape = conn.sink.shape
+    try:
+        out = trace(conn.mapping, [sink_var(d) for d in range(len(shape))])
+    except Untraceable:
+        return None
+    out = out if isinstance(out, (tuple, list)) else (out,)
+    dims = []
+    for e in out:
+        if isinstance(e, SymRange):
+            dims.append(DimAccess(e.lo, e.step, e.length))
+        elif isinstance(e, range):
+            dims.append(DimAccess(Affine((), e.start), e.step, len(e)))
+        elif isinstance(e, (Sym, int, np.integer)) and not isinstance(e, bool):
+            dims.append(DimAccess(e.aff if isinstance(e, Sym) else Affine((), int(e)), 1, 1))
+        else:
+            return None
+    if len(dims) != len(conn.source.shape):
+        return None
+    dims = tuple(dims)
+    if any(_entries(conn, idx) != _ranges(dims, idx) for idx in _checks(shape)):
+        return None
+    return dims
+
+
+def _evaluated_dims(conn) -> tuple[DimAccess, ...] | None:
+    """The mapping called at every sink neuron; the fit compared with every result."""
+    shape = conn.sink.shape
+    rows = np.array([[(r.start, r.step, len(r)) for r in _entries(conn, idx)]
+                     for idx in _points(shape)], dtype=np.int64)
+    dims = []
+    for j in range(len(conn.source.shape)):
+        starts, steps, lengths = rows[:, j, 0], rows[:, j, 1], rows[:, j, 2]
+        if (steps != steps[0]).any() or (lengths != lengths[0]).any():
+            return None
+        lo = _fit_all(starts, shape)
+        if lo is None:
+            return None
+        dims.append(DimAccess(lo, int(steps[0]), int(lengths[0])))
+    return tuple(dims)
 
 
 def _relation(sink_shape, src_shape, dims: tuple[DimAccess, ...]) -> isl.Map:
@@ -139,28 +200,15 @@ def _box(shape) -> isl.Set:
 def analyze_connection(conn) -> ConnAccess:
     """Fit the connection's mapping; raise if it reads outside the source without padding."""
     sink_shape, src_shape = conn.sink.shape, conn.source.shape
-    points = _sample_points(sink_shape)
-    ranges = {p: _entries(conn, p) for p in points}
     origin = (0,) * len(sink_shape)
-    for axis in range(len(sink_shape)):  # the fit needs the unit points
-        unit = tuple(1 if i == axis else 0 for i in range(len(sink_shape)))
-        if sink_shape[axis] > 1 and unit not in ranges:
-            ranges[unit] = _entries(conn, unit)
-    dims = []
-    for j in range(len(src_shape)):
-        steps = {r[j].step for r in ranges.values()}
-        lengths = {len(r[j]) for r in ranges.values()}
-        lo = _fit({p: r[j].start for p, r in ranges.items()}, sink_shape) \
-            if len(steps) == 1 and len(lengths) == 1 else None
-        if lo is None:
-            dims = None
-            break
-        dims.append(DimAccess(lo, steps.pop(), lengths.pop()))
+    dims = _traced_dims(conn) if int(np.prod(sink_shape)) > _EXHAUSTIVE else None
+    if dims is None:
+        dims = _evaluated_dims(conn)
     if dims is None:
         return _gather(conn)
-    dims = tuple(dims)
     if any(a.length == 0 for a in dims):
-        raise MappingError(f"{conn.describe()}: mapping selects no source neuron for sink "
+        raise MappingError(f"{where(conn.mapping)}{conn.describe()}: mapping selects no source "
+                           "neuron for sink "
                            f"neuron {origin}")
     rel = _relation(sink_shape, src_shape, dims)
     outside = rel.intersect_range(_box(src_shape).complement())
@@ -169,8 +217,9 @@ def analyze_connection(conn) -> ConnAccess:
         pt = outside.domain().sample_point()
         idx = tuple(int(pt.get_coordinate_val(isl.dim_type.set, i).to_python())
                     for i in range(len(sink_shape)))
-        raise MappingError(f"{conn.describe()}: sink neuron {idx} of {conn.sink.name!r} reads "
-                           f"{tuple(conn.mapping(*idx))} outside source {conn.source.name!r} "
+        raise MappingError(f"{where(conn.mapping)}{conn.describe()}: sink neuron {idx} of "
+                           f"{conn.sink.name!r} reads {tuple(conn.mapping(*idx))} outside source "
+                           f"{conn.source.name!r} "
                            f"(shape {src_shape}); pass padding= to add_connections to allow it")
     return ConnAccess(conn, dims, None, in_bounds, rel)
 
@@ -185,13 +234,15 @@ def _gather(conn) -> ConnAccess:
         if length is None:
             length = len(grid)
         if len(grid) != length:
-            raise MappingError(f"{conn.describe()}: sink neuron {idx} reads {len(grid)} source "
+            raise MappingError(f"{where(conn.mapping)}{conn.describe()}: sink neuron {idx} reads "
+                               f"{len(grid)} source "
                                f"neurons but neuron {(0,) * len(sink_shape)} reads {length}; "
                                "every sink neuron must read the same number")
         ok = ((grid >= 0) & (grid < np.array(src_shape))).all(axis=1)
         if not ok.all():
             if conn.padding is None:
-                raise MappingError(f"{conn.describe()}: sink neuron {idx} of {conn.sink.name!r} "
+                raise MappingError(f"{where(conn.mapping)}{conn.describe()}: sink neuron {idx} of "
+                                   f"{conn.sink.name!r} "
                                    f"reads {tuple(grid[~ok][0])} outside source "
                                    f"{conn.source.name!r} (shape {src_shape}); pass padding= "
                                    "to add_connections to allow it")
@@ -202,31 +253,57 @@ def _gather(conn) -> ConnAccess:
 
 
 def fit_index_map(ens, field) -> tuple[Affine, ...]:
-    """Affine form of a field's ``index_map`` (identity when none was given), bounds-checked."""
+    """Affine form of a field's ``index_map`` (identity when none was given), proven at every
+    neuron and bounds-checked."""
     shape = ens.shape
     if field.index_map is None:
         return tuple(Affine.of(sink_var(d)) for d in range(len(shape)))
-    points = _sample_points(shape)
-    for axis in range(len(shape)):
-        unit = tuple(1 if i == axis else 0 for i in range(len(shape)))
-        if shape[axis] > 1 and unit not in points:
-            points.append(unit)
-    values = {}
-    for p in points:
-        v = field.index_map(*p)
-        v = v if isinstance(v, tuple) else (v,)
-        if len(v) != field.lead_ndim or not all(isinstance(x, (int, np.integer)) for x in v):
-            raise ShapeError(f"ensemble {ens.name!r}: index_map of field {field.name!r} must return "
-                             f"{field.lead_ndim} int(s) for every neuron; got {v!r} for neuron {p}")
-        for x, n in zip(v, field.array.shape):
-            if not 0 <= x < n:
-                raise ShapeError(f"ensemble {ens.name!r}: index_map of field {field.name!r} returns "
-                                 f"{v} for neuron {p}, outside the array's shape {field.array.shape}")
-        values[p] = v
-    fits = tuple(_fit({p: v[j] for p, v in values.items()}, shape) for j in range(field.lead_ndim))
-    if any(f is None for f in fits):
-        raise ShapeError(f"ensemble {ens.name!r}: index_map of field {field.name!r} is not affine "
-                         "in the neuron index")
+    fits = _traced_index_map(ens, field) if int(np.prod(shape)) > _EXHAUSTIVE else None
+    if fits is None:
+        values = np.array([_index_map_at(ens, field, p) for p in _points(shape)], np.int64)
+        fits = tuple(_fit_all(values[:, j], shape) for j in range(field.lead_ndim))
+        if any(f is None for f in fits):
+            raise ShapeError(f"{where(field.index_map)}ensemble {ens.name!r}: index_map of field "
+                             f"{field.name!r} is not affine in the neuron index")
+    box = {sink_var(d): (0, n - 1) for d, n in enumerate(shape)}
+    for fit, n in zip(fits, field.array.shape):
+        lo, hi = fit.bounds(box)
+        if lo < 0 or hi >= n:   # an affine form's extremes lie at corners: name one
+            low = lo < 0
+            p = tuple(0 if (fit.coef(sink_var(d)) >= 0) == low else e - 1
+                      for d, e in enumerate(shape))
+            raise ShapeError(f"{where(field.index_map)}ensemble {ens.name!r}: index_map of field "
+                             f"{field.name!r} returns {field.index_map(*p)} for neuron {p}, "
+                             f"outside the array's shape {field.array.shape}")
+    return fits
+
+
+def _index_map_at(ens, field, p: tuple[int, ...]) -> tuple[int, ...]:
+    v = field.index_map(*p)
+    v = v if isinstance(v, tuple) else (v,)
+    if len(v) != field.lead_ndim or not all(isinstance(x, (int, np.integer)) for x in v):
+        raise ShapeError(f"{where(field.index_map)}ensemble {ens.name!r}: index_map of field "
+                         f"{field.name!r} must return {field.lead_ndim} int(s) for every neuron; "
+                         f"got {v!r} for neuron {p}")
+    return tuple(int(x) for x in v)
+
+
+def _traced_index_map(ens, field) -> tuple[Affine, ...] | None:
+    """The index map's affine forms from one symbolic call (None: not traceable, or a real
+    call disagrees)."""
+    try:
+        out = trace(field.index_map, [sink_var(d) for d in range(len(ens.shape))])
+    except Untraceable:
+        return None
+    out = out if isinstance(out, tuple) else (out,)
+    if len(out) != field.lead_ndim or not all(
+            isinstance(x, (Sym, int, np.integer)) and not isinstance(x, bool) for x in out):
+        return None
+    fits = tuple(x.aff if isinstance(x, Sym) else Affine((), int(x)) for x in out)
+    for p in _checks(ens.shape):
+        at = {sink_var(d): (i, i) for d, i in enumerate(p)}
+        if _index_map_at(ens, field, p) != tuple(f.bounds(at)[0] for f in fits):
+            return None
     return fits
 
 

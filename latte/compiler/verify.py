@@ -7,7 +7,7 @@ checks every buffer ref of a synthesized or optimized kernel against its view, e
 operand block against its buffer, and that loop variables are bound and never captured.
 
 A guarded access is proven under its guard: the loop domain (an isl set) is intersected
-with the affine conditions of the ``if``\\ s and conditional expressions around it (an
+with the affine conditions of the ifs and conditional expressions around it (an
 ``else`` with the complement). Conditions that are not affine in integers give no
 information, so the access must be proven without them. Integer ``//`` and ``%`` by a
 positive constant (truncating, as codegen emits them), ``max``/``min`` and integer selects
