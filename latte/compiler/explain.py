@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from latte.compiler import Segment
+from latte.compiler.autodiff import defines_backward, derived_backward, format_neuron
 from latte.compiler.fusion import describe, planner_chain
 from latte.compiler.ir import Gemm, accesses, walk
 from latte.compiler.passes.tiling import FLOAT_BYTES
 from latte.compiler.planner import brainslug, occam
 from latte.compiler.printer import fmt_stmt, format_ir
+from latte.compiler.synthesis import neuron_info
 
 
 def _dims(ens, dims) -> str:
@@ -60,6 +62,10 @@ def explain_program(program) -> str:
                 out.append(f"    relation {acc.relation}")
         for name, dims in plan.param_shared_dims().items():
             out.append(f"  param {name!r} {ens.fields[name].array.shape}: shared along {_dims(ens, dims)}")
+        if "backward" in plan.kernels and not defines_backward(ens.neuron_type):
+            out.append("  backward: derived from forward (reverse mode):")
+            body = derived_backward(ens, neuron_info(ens, plan.accesses))
+            out.extend("    " + line for line in format_neuron(body).splitlines())
         for phase, kernel in plan.kernels.items():
             gemms = [n for n in walk(kernel.body) if isinstance(n, Gemm)]
             out.append(f"  {phase}: {len(gemms)} GEMM match(es)")

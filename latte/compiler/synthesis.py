@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from latte.compiler.autodiff import defines_backward, derived_backward
 from latte.compiler.buffers import BufferPlan
 from latte.compiler.frontend import NeuronInfo, NeuronRef, parse_method
 from latte.compiler.ir import (
@@ -308,7 +309,10 @@ def synthesize(ens, phase: str, accesses: list[ConnAccess], bufs: BufferPlan) ->
     """The loop nest that runs ``ens``'s neuron ``phase`` (forward/backward) for a batch."""
     names = NameGen()
     info = neuron_info(ens, accesses)
-    neuron_body = parse_method(ens.neuron_type, phase, info)
+    if phase == "backward" and not defines_backward(ens.neuron_type):
+        neuron_body = derived_backward(ens, info)
+    else:
+        neuron_body = parse_method(ens.neuron_type, phase, info)
     for node in walk(neuron_body):
         if isinstance(node, Var):
             names.used.add(node.name)
