@@ -298,3 +298,22 @@ def test_line_buffers_take_gemm_offsets_apart_only_when_rows_are_unambiguous():
     assert _gemm_row(off({"c": plane}), "n", "t", buf) is None       # a channel loop
     assert _gemm_row(off({"t": 3}), "n", "t", buf) is None           # not whole rows
     assert _gemm_row(Affine.build({"n": 1}), "n", "t", buf) is None  # not per batch item
+
+
+def test_substitute_avoids_name_capture():
+    from latte.compiler.ir import Affine, Assign, Block, Buffer, Loop, Ref, Var, substitute
+    buf = Buffer(("t", "b"), "b", (64,))
+    # for j: b[i + j] = j, with i := j + 1: the loop's j must not capture the new j
+    body = Loop("j", 0, 4, Block((Assign(Ref(buf, (Affine.build({"i": 1, "j": 1}),), (64,)), Var("j")),)))
+    out = substitute(body, {"i": Affine.of("j", 1, 1)})
+    inner = out.body.stmts[0]
+    assert out.var != "j"
+    assert inner.target.index[0] == Affine.build({"j": 1, out.var: 1}, 1)
+    assert inner.value == Affine.of(out.var)
+    # a loop that rebinds a replaced variable shadows it
+    shadow = substitute(Loop("i", 0, 2, Block((Assign(Ref(buf, (Affine.of("i"),), (64,)), Var("i")),))),
+                        {"i": Affine.of("k")})
+    assert shadow.body.stmts[0].target.index[0] == Affine.of("i")
+    # simultaneous: a swap is a swap
+    assert substitute(Affine.build({"x": 1, "y": 2}), {"x": Affine.of("y"), "y": Affine.of("x")}) \
+        == Affine.build({"y": 1, "x": 2})

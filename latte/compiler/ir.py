@@ -342,16 +342,32 @@ def rewrite(node: Node, fn: Callable[[Node], Node | None]) -> Node:
 
 
 def substitute(node: Node, mapping: dict[str, Affine]) -> Node:
-    """``node`` with loop variables replaced by affine forms."""
-    def fn(n):
-        if isinstance(n, Affine) and n.vars & mapping.keys():
-            for v, a in mapping.items():
-                n = n.substitute(v, a)
-            return n
-        if isinstance(n, Var) and n.name in mapping:
-            return mapping[n.name]
-        return None
-    return rewrite(node, fn)
+    """``node`` with free loop variables replaced by affine forms, without capture: a loop
+    that rebinds a replaced variable shadows it, and a loop whose variable occurs in a
+    replacement is renamed first."""
+    if not mapping:
+        return node
+    if isinstance(node, Loop):
+        inner = {v: a for v, a in mapping.items() if v != node.var}
+        if any(node.var in a.vars for a in inner.values()):
+            taken = {node.var, *inner, *(v for a in inner.values() for v in a.vars)}
+            taken |= {n.var for n in walk(node.body) if isinstance(n, Loop)}
+            fresh = next(f"{node.var}_{k}" for k in range(1, len(taken) + 2)
+                         if f"{node.var}_{k}" not in taken)
+            body = substitute(node.body, {node.var: Affine.of(fresh)})
+            node = dataclasses.replace(node, var=fresh, body=body)
+        return map_children(node, lambda c: substitute(c, inner))
+    if isinstance(node, Affine):   # simultaneous: {x: y, y: x} swaps
+        if not node.vars & mapping.keys():
+            return node
+        out = Affine.build({v: c for v, c in node.terms if v not in mapping}, node.const)
+        for v, c in node.terms:
+            if v in mapping:
+                out = out + mapping[v] * c
+        return out
+    if isinstance(node, Var) and node.name in mapping:
+        return mapping[node.name]
+    return map_children(node, lambda c: substitute(c, mapping))
 
 
 @dataclass(frozen=True)
