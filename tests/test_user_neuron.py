@@ -338,3 +338,25 @@ def test_batch_field_holds_per_item_state(opt_level):
     ref = (mags == mags.min(-1, keepdims=True)) * np.sign(windows) * loss.w[..., None]
     np.testing.assert_allclose(net.grad(x), ref.reshape(BATCH, 2, 6), rtol=1e-6)
     check_gradients(net, [x])
+
+
+class FloorDivNeuron(Neuron):
+    """Integer ``//`` and ``%`` of negative numbers floor, as in Python."""
+
+    def forward(self):
+        for i in range(len(self.inputs[0])):
+            self.value += ((i - 3) // 2) * self.inputs[0][i] + ((i - 3) % 2) + ((i + 1) % -3)
+
+
+@pytest.mark.parametrize("opt_level", (0, 3))
+def test_integer_division_floors_like_python(opt_level):
+    net = Net(2, opt_level=opt_level)
+    x = MemoryDataLayer(net, "x", (6,))
+    Ensemble(net, "e", FloorDivNeuron, (1,))
+    add_connections(net, x, net.ensemble("e"), lambda i: (range(6),))
+    net.init()
+    xv = fill(net, x, np.random.default_rng(0))
+    net.forward()
+    i = np.arange(6)
+    want = (((i - 3) // 2) * xv + (i - 3) % 2 + (i + 1) % -3).sum(axis=1)
+    np.testing.assert_allclose(net.value("e")[:, 0], want, rtol=1e-5)

@@ -4,9 +4,16 @@ Each kernel becomes an internal function taking its buffers as ``noalias`` point
 *segment* (consecutive kernels run without returning to Python) is an exported function
 ``void seg(ptr* buffers)`` that loads the pointers from the runtime's buffer table and calls
 its kernels. Float arithmetic carries ``reassoc contract`` so that reductions vectorize.
+
+With ``LATTE_CHECK_BOUNDS=1`` every load, store and GEMM operand block is checked against
+its buffer at run time: an access outside it is skipped (a load gives 0) and records the
+access site (kernel and buffer) in ``BOUNDS_SITE`` and its offset in ``BOUNDS_OFFSET``,
+which the executor reads after each segment. The checks change the IR, hence the cache key.
 """
 
 from __future__ import annotations
+
+import os
 
 from llvmlite import ir
 
@@ -43,6 +50,7 @@ I8P = ir.IntType(8).as_pointer()
 PTR = ir.PointerType(F32)
 FAST = ("reassoc", "contract", "nsz")
 SGEMM = "scipy_cblas_sgemm"
+BOUNDS_SITE, BOUNDS_OFFSET = "latte_bounds_site", "latte_bounds_offset"
 _FCMP = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
 
 
@@ -59,6 +67,23 @@ class ModuleBuilder:
         self.threads = threads
         self._decls: dict[str, ir.Function] = {}
         self._kernels = 0
+        self.check_bounds = os.environ.get("LATTE_CHECK_BOUNDS", "") not in ("", "0")
+        self._sites: dict[str, ir.GlobalVariable] = {}
+        if self.check_bounds:
+            for name, ty in ((BOUNDS_SITE, I8P), (BOUNDS_OFFSET, I64)):
+                var = ir.GlobalVariable(self.module, ty, name)
+                var.initializer = ir.Constant(ty, None)
+
+    def site(self, text: str) -> ir.Constant:
+        """A pointer to the constant C string ``text`` (one global per distinct text)."""
+        var = self._sites.get(text)
+        if var is None:
+            data = bytearray(text.encode()) + b"\0"
+            ty = ir.ArrayType(ir.IntType(8), len(data))
+            var = self._sites[text] = ir.GlobalVariable(self.module, ty, f"site{len(self._sites)}")
+            var.global_constant, var.linkage = True, "private"
+            var.initializer = ir.Constant(ty, data)
+        return var.bitcast(I8P)
 
     def declare(self, name: str, ret, args) -> ir.Function:
         fn = self._decls.get(name)
@@ -233,7 +258,36 @@ class _KernelEmitter:
             return
         ty = _elem_type(target.buffer)
         value = self.to_float(value) if ty is F32 else self.to_int(value, ty)
-        self.b.store(value, self.address(target), align=4)
+        self.checked(target, lambda ptr: self.b.store(value, ptr, align=4))
+
+    def checked(self, ref: Ref, access):
+        """``access(pointer)`` for ``ref``; in bounds-check mode only if the offset lies in the
+        buffer (else the site is recorded and a load gives 0)."""
+        idx = self.flat_index(ref)
+        if not self.mb.check_bounds:
+            return access(self.pointer(ref, idx))
+        b = self.b
+        ok = b.icmp_unsigned("<", idx, ir.Constant(I64, ref.buffer.size))
+        with b.if_else(ok) as (then, orelse):
+            with then:
+                value = access(self.pointer(ref, idx))
+                then_block = b.block
+            with orelse:
+                self.record(ref.buffer, idx)
+                else_block = b.block
+        if not isinstance(value, ir.LoadInstr):
+            return None
+        phi = b.phi(value.type)
+        phi.add_incoming(value, then_block)
+        phi.add_incoming(ir.Constant(value.type, 0), else_block)
+        return phi
+
+    def record(self, buf: Buffer, offset: ir.Value) -> None:
+        """Remember an out-of-bounds access of ``buf`` at ``offset`` for the executor."""
+        module = self.mb.module
+        text = f"kernel {self.kernel.name}: buffer {buf.name} ({buf.size} elements)"
+        self.b.store(self.mb.site(text), module.get_global(BOUNDS_SITE))
+        self.b.store(offset, module.get_global(BOUNDS_OFFSET))
 
     def local(self, name: str) -> ir.Value:
         slot = self.locals.get(name)
@@ -245,6 +299,22 @@ class _KernelEmitter:
         return slot
 
     def gemm(self, g: Gemm):
+        if not self.mb.check_bounds:
+            self.sgemm(g)
+            return
+        b, ok = self.b, ir.Constant(I1, 1)
+        for acc in accesses(g):   # each operand block: first and last element inside
+            first = self.affine(acc.offset)
+            last = b.add(first, ir.Constant(I64, acc.span))
+            inside = b.and_(b.icmp_unsigned("<", first, ir.Constant(I64, acc.buffer.size)),
+                            b.icmp_unsigned("<", last, ir.Constant(I64, acc.buffer.size)))
+            with b.if_then(b.not_(inside)):
+                self.record(acc.buffer, last)
+            ok = b.and_(ok, inside)
+        with b.if_then(ok):
+            self.sgemm(g)
+
+    def sgemm(self, g: Gemm):
         fn = self.mb.declare(SGEMM, ir.VoidType(),
                              [I32, I32, I32, I32, I32, I32, F32, PTR, I32, PTR, I32, F32, PTR, I32])
         ptr = lambda buf, off: self.b.gep(self.args[buf], [self.affine(off)], inbounds=True)  # noqa: E731
@@ -264,15 +334,17 @@ class _KernelEmitter:
             out = self.b.add(out, term, flags=("nsw",))
         return out
 
-    def address(self, ref: Ref) -> ir.Value:
+    def flat_index(self, ref: Ref) -> ir.Value:
         off = ref.offset()
         if off is not None:
-            idx = self.affine(off)
-        else:
-            idx = ir.Constant(I64, 0)
-            for e, extent in zip(ref.index, ref.view):
-                idx = self.b.add(self.b.mul(idx, ir.Constant(I64, extent)),
-                                 self.to_int(self.expr(e), I64))
+            return self.affine(off)
+        idx = ir.Constant(I64, 0)
+        for e, extent in zip(ref.index, ref.view):
+            idx = self.b.add(self.b.mul(idx, ir.Constant(I64, extent)),
+                             self.to_int(self.expr(e), I64))
+        return idx
+
+    def pointer(self, ref: Ref, idx: ir.Value) -> ir.Value:
         ptr = self.b.gep(self.args[ref.buffer], [idx], inbounds=True)
         ty = _elem_type(ref.buffer)
         return ptr if ty is F32 else self.b.bitcast(ptr, ty.as_pointer())
@@ -320,9 +392,17 @@ class _KernelEmitter:
                 return b.select(b.fcmp_ordered(">" if op == "max" else "<", a, c), a, c)
         else:
             a, c = self.to_int(a), self.to_int(c)
-            ops = {"+": b.add, "-": b.sub, "*": b.mul, "//": b.sdiv, "%": b.srem}
+            ops = {"+": b.add, "-": b.sub, "*": b.mul}
             if op in ops:
                 return ops[op](a, c)
+            if op in ("//", "%"):   # Python's: the quotient floors, the remainder has c's sign
+                q, r = b.sdiv(a, c), b.srem(a, c)
+                zero = ir.Constant(a.type, 0)
+                off = b.and_(b.icmp_signed("!=", r, zero),
+                             b.icmp_signed("!=", b.icmp_signed("<", r, zero), b.icmp_signed("<", c, zero)))
+                if op == "//":
+                    return b.sub(q, b.zext(off, a.type))
+                return b.add(r, b.select(off, c, zero))
             if op in ("max", "min"):
                 return b.select(b.icmp_signed(">" if op == "max" else "<", a, c), a, c)
         raise CompileError(f"codegen: unknown operator {op!r}")
@@ -345,7 +425,7 @@ class _KernelEmitter:
         if isinstance(e, Load):
             if isinstance(e.ref, Var):
                 return self.expr(e.ref)
-            return b.load(self.address(e.ref), align=4)
+            return self.checked(e.ref, lambda ptr: b.load(ptr, align=4))
         if isinstance(e, BinOp):
             return self.arith(e.op, self.expr(e.lhs), self.expr(e.rhs))
         if isinstance(e, UnaryOp):
