@@ -117,7 +117,7 @@ def check(net: Net, ref: Net, *, seed: int = 0, probes: int = 1) -> Report:
     report = Report(net.opt_level)
     rows = {r.name: Row(r.name) for r in ref.ensembles}
     report.rows = list(rows.values())
-    for phase in (Phase.TRAIN, Phase.TEST):
+    for phase in (Phase.TEST, Phase.TRAIN):   # train last: the probes start from its state
         net.forward(phase)
         ref.forward(phase)
         for e, r in pairs:
@@ -127,11 +127,11 @@ def check(net: Net, ref: Net, *, seed: int = 0, probes: int = 1) -> Report:
             net.backward()
             ref.backward()
             for e, r in pairs:
-                if _has_grad(r):
+                if _has_grad(ref, r):
                     _worst(rows[r.name], "grad", _diff(net.grad(e), ref.grad(r)))
             for p, q in zip(net.params, ref.params, strict=True):
                 _worst(rows[_owner(ref, q.name)], "grad", _diff(p.grad, q.grad))
-            grads = {r: ref.grad(r).copy() for r in ref.ensembles if _has_grad(r)}
+            grads = {r: ref.grad(r).copy() for r in ref.ensembles if _has_grad(ref, r)}
             param_grads = {q.name: q.grad.copy() for q in ref.params}
 
     fd = _FiniteDifferences(ref, rng, probes)
@@ -157,19 +157,26 @@ def _owner(net: Net, param_name: str) -> str:
 
 
 def _random_data(net: Net, ens: DataEnsemble, rng: np.random.Generator) -> np.ndarray:
-    """Class indices for a label (a ``(1,)`` input that only loss-like ensembles read after
-    their first input, with that first input's width as the class count), targets in [0, 1)
-    for other such inputs, standard normal values for the rest."""
+    """Class indices for a ``(1,)`` label (the first input of the ensembles that read it
+    gives the class count), targets in [0, 1) for other labels, standard normal values for
+    the rest."""
     shape = (net.batch_size, *ens.shape)
-    readers = [e for e in net.ensembles if isinstance(e, NormalizationEnsemble)
-               and any(i is ens for i in e.inputs)]
-    connected = any(c.source is ens for c in net.connections)
-    if readers and not connected and all(e.inputs[0] is not ens for e in readers):
+    if _is_label(net, ens):
+        readers = [e for e in net.ensembles if isinstance(e, NormalizationEnsemble)
+                   and any(i is ens for i in e.inputs)]
         if ens.size == 1:
             classes = min(e.inputs[0].size for e in readers)
             return rng.integers(0, classes, shape).astype(np.float32)
         return rng.random(shape, dtype=np.float32)
     return rng.standard_normal(shape, dtype=np.float32)
+
+
+def _is_label(net: Net, ens: DataEnsemble) -> bool:
+    """Whether only loss-like ensembles read ``ens``, and never as their first input."""
+    readers = [e for e in net.ensembles if isinstance(e, NormalizationEnsemble)
+               and any(i is ens for i in e.inputs)]
+    return (bool(readers) and all(e.inputs[0] is not ens for e in readers)
+            and not any(c.source is ens for c in net.connections))
 
 
 class _Feed:
@@ -222,13 +229,15 @@ def _shows_value(net: Net, ens, phase: Phase) -> bool:
     return not isinstance(ens, DataEnsemble)
 
 
-def _has_grad(ens) -> bool:
+def _has_grad(net: Net, ens) -> bool:
     """Whether ``net.grad(ens)`` is a gradient of the loss to check: in-place activations
     share their source's (which holds d loss / d the source's values once backward is done),
-    losses have none, data ensembles only when their gradient is computed."""
+    losses have none, data ensembles only when their gradient is computed and they are not
+    labels."""
     if isinstance(ens, (ActivationEnsemble, NormalizationEnsemble)):
         return False
-    return not isinstance(ens, DataEnsemble) or getattr(ens, "needs_grad", False)
+    return not isinstance(ens, DataEnsemble) or (getattr(ens, "needs_grad", False)
+                                                 and not _is_label(net, ens))
 
 
 def _diff(got: np.ndarray, want: np.ndarray) -> float:

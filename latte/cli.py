@@ -301,15 +301,18 @@ def _check(args: argparse.Namespace, script: str) -> int:
     if len(nets) != len(refs):
         raise LatteError(f"{os.path.basename(script)} built {len(nets)} nets, then {len(refs)}: "
                          "cannot compare its builds")
-    failed = []
+    failed, suspects = [], []
     for i, (net, ref) in enumerate(zip(nets, refs)):
         if len(nets) > 1:
             print(f"#### net {i + 1} of {len(nets)} (batch size {net.batch_size})")
         report = check(net, ref, seed=args.seed, probes=args.probes)
         print(report.format(), flush=True)
         failed += [r.name for r in report.failed()]
+        suspects += [r.name for r in report.rows if r.suspect]
     if failed:
-        print(f"latte check: {', '.join(failed)} disagree", file=sys.stderr)
+        print(f"latte check: {', '.join(failed)} disagree"
+              + (f" (likeliest wrong backward: {', '.join(suspects)})" if suspects else ""),
+              file=sys.stderr)
         return 1
     return 0
 
