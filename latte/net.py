@@ -80,6 +80,7 @@ class Net(Graph):
         pin_other_blas()
         split = distributed.active() or self.profile is not None
         self.program = compile_net(self, self.opt_level, split_segments=split, threads=threads)
+        self.frozen = True
         self._memory = Memory(self.program)
         self._comm = (distributed.Communicator(os.environ.get("LATTE_MPI_OVERLAP") != "0")
                       if distributed.active() else None)

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from latte.errors import ShapeError
+from latte.errors import MappingError, ShapeError
 from latte.lang.graph import Phase
 from latte.lang.neuron import FieldKind, FieldSpec, Neuron, field_specs
 
@@ -32,6 +32,16 @@ def _shape(shape) -> tuple[int, ...]:
     if not shape or any(d <= 0 for d in shape):
         raise ShapeError(f"ensemble shape must be a non-empty tuple of positive ints, got {shape}")
     return shape
+
+
+def _check_inputs(net, name: str, inputs) -> None:
+    """Every input of the ensemble ``name`` being built must be an ensemble of ``net``."""
+    for ens in inputs:
+        if not isinstance(ens, BaseEnsemble):
+            raise TypeError(f"ensemble {name!r}: its inputs must be ensembles, got {ens!r}")
+        if ens.net is not net:
+            raise MappingError(f"ensemble {name!r}: its input {ens.name!r} belongs to another "
+                               "Net; build every layer on ensembles of its own net")
 
 
 class BaseEnsemble:
@@ -118,6 +128,7 @@ class ActivationEnsemble(Ensemble):
     """
 
     def __init__(self, net, name: str, neuron_type: type, source: BaseEnsemble, **fields):
+        _check_inputs(net, name, [source])
         self.source = source
         super().__init__(net, name, neuron_type, source.shape, **fields)
 
@@ -135,6 +146,7 @@ class NormalizationEnsemble(BaseEnsemble):
     counts: np.ndarray | None = None
 
     def __init__(self, net, name: str, inputs: list[BaseEnsemble], shape):
+        _check_inputs(net, name, inputs)
         self.inputs = list(inputs)
         super().__init__(net, name, shape)
         self.loss = 0.0

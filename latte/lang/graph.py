@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from latte.errors import ShapeError
+from latte.errors import LatteError, MappingError, ShapeError
 
 
 class Phase(enum.Enum):
@@ -21,13 +21,20 @@ class Graph:
         self.batch_size = int(batch_size)
         self.ensembles: list = []
         self.connections: list = []
+        self.frozen = False   # set once the net is compiled: the graph can no longer grow
 
     def add_ensemble(self, ens) -> None:
+        if self.frozen:
+            raise LatteError(f"ensemble {ens.name!r}: the net is already compiled; build the "
+                             "whole net before init() (or solve, forward)")
         if any(e.name == ens.name for e in self.ensembles):
             raise ValueError(f"an ensemble named {ens.name!r} already exists in this net")
         self.ensembles.append(ens)
 
     def add_connection(self, conn) -> None:
+        if self.frozen:
+            raise MappingError(f"{conn.describe()}: the net is already compiled; build the "
+                               "whole net before init() (or solve, forward)")
         self.connections.append(conn)
 
     def connections_into(self, ens) -> list:
