@@ -243,7 +243,7 @@ def _gather(conn) -> ConnAccess:
             if conn.padding is None:
                 raise MappingError(f"{where(conn.mapping)}{conn.describe()}: sink neuron {idx} of "
                                    f"{conn.sink.name!r} "
-                                   f"reads {tuple(grid[~ok][0])} outside source "
+                                   f"reads {tuple(int(v) for v in grid[~ok][0])} outside source "
                                    f"{conn.source.name!r} (shape {src_shape}); pass padding= "
                                    "to add_connections to allow it")
             in_bounds = False

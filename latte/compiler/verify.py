@@ -10,16 +10,18 @@ A guarded access is proven under its guard: the loop domain (an isl set) is inte
 with the affine conditions of the ifs and conditional expressions around it (an
 ``else`` with the complement). Conditions that are not affine in integers give no
 information, so the access must be proven without them. Integer ``//`` and ``%`` by a
-positive constant (truncating, as codegen emits them), ``max``/``min`` and integer selects
+positive constant (flooring, as Python's and codegen's), ``max``/``min`` and integer selects
 are modelled exactly; a gather table's entries are the flat source offsets the mapping
 analysis built (``-1`` for padding); any other value (a float, a load) is unbounded.
-``and``/``or`` guard nothing: codegen evaluates every operand.
+``and``/``or`` guard nothing: codegen evaluates every operand. A local assigned an integer
+expression of the loop variables (a derived backward's ``_c = i + 1 < n``) stands for it in
+the guards of the statements after it in its block, until something assigns it again.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import islpy as isl
@@ -31,6 +33,7 @@ from latte.compiler.ir import (
     Assign,
     AugAssign,
     BinOp,
+    Block,
     BoolOp,
     Compare,
     Const,
@@ -64,6 +67,7 @@ class Scope:
     loops: tuple[tuple[str, int, int], ...] = ()
     guards: tuple[tuple[Expr, bool], ...] = ()
     loc: Loc | None = None
+    known: tuple[tuple[str, Expr], ...] = ()   # locals that hold an expression of the loops
 
     def bound(self) -> frozenset[str]:
         return frozenset(v for v, _, _ in self.loops)
@@ -74,22 +78,38 @@ def walk_scoped(node: Node, scope: Scope, visit: Callable[[Node, Scope], None]) 
     hold there (a loop that never runs is skipped)."""
     visit(node, scope)
     if isinstance(node, (Assign, AugAssign, If, Loop)) and node.loc is not None:
-        scope = Scope(scope.loops, scope.guards, node.loc)
+        scope = replace(scope, loc=node.loc)
+    if isinstance(node, Block):
+        known = dict(scope.known)
+        for stmt in node.stmts:
+            for n in walk(stmt):
+                if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Var):
+                    known.pop(n.target.name, None)
+            walk_scoped(stmt, replace(scope, known=tuple(known.items())), visit)
+            if isinstance(stmt, Assign) and isinstance(stmt.target, Var) \
+                    and _of_loops(stmt.value, scope.bound()):
+                known[stmt.target.name] = stmt.value
+        return
     if isinstance(node, Loop):
         if node.start < node.stop:
-            inner = Scope((*scope.loops, (node.var, node.start, node.stop - 1)), scope.guards,
-                          scope.loc)
-            walk_scoped(node.body, inner, visit)
+            walk_scoped(node.body, replace(scope, loops=(*scope.loops, (node.var, node.start,
+                                                                         node.stop - 1))), visit)
         return
     if isinstance(node, (If, Select)):
         arms = (node.then, node.orelse) if isinstance(node, If) else (node.if_true, node.if_false)
         walk_scoped(node.cond, scope, visit)
         for arm, holds in zip(arms, (True, False)):
-            walk_scoped(arm, Scope(scope.loops, (*scope.guards, (node.cond, holds)), scope.loc),
-                        visit)
+            walk_scoped(arm, replace(scope, guards=(*scope.guards, (node.cond, holds))), visit)
         return
     for child in children(node):
         walk_scoped(child, scope, visit)
+
+
+def _of_loops(e: Expr, loops: frozenset[str]) -> bool:
+    """Is ``e`` computed from the loop variables ``loops`` and constants alone?"""
+    return all(isinstance(n, (Affine, Const, BinOp, UnaryOp, Compare, BoolOp, Select))
+               or (isinstance(n, Var) and n.name in loops) for n in walk(e)) \
+        and all(n.vars <= loops for n in walk(e) if isinstance(n, Affine))
 
 
 # ---------------------------------------------------------------- the prover
@@ -158,8 +178,7 @@ class _Prover:
             if not (isinstance(e.rhs, Const) and e.rhs.value > 0):
                 return a
             x, c, q = self.lin(e.lhs), e.rhs.value, self.atom()
-            self.facts.append(f"(({x}) >= 0 and {c}*{q} <= {x} < {c}*{q} + {c}) or "
-                              f"(({x}) < 0 and {c}*{q} - {c} < {x} <= {c}*{q})")   # truncation
+            self.facts.append(f"{c}*{q} <= {x} < {c}*{q} + {c}")   # floor, as Python's
             self.facts.append(f"{a} = {q}" if e.op == "//" else f"{a} = ({x}) - {c}*{q}")
         elif isinstance(e, BinOp) and e.op in ("max", "min"):
             x, y, ge = self.lin(e.lhs), self.lin(e.rhs), ">=" if e.op == "max" else "<="
@@ -189,6 +208,8 @@ class _Prover:
 
     def cond(self, e: Expr, holds: bool) -> str | None:
         """A superset of the points where ``e`` is ``holds``, as isl constraints (None: all)."""
+        if isinstance(e, Var) and e.name in dict(self.scope.known):
+            return self.cond(dict(self.scope.known)[e.name], holds)
         if isinstance(e, UnaryOp) and e.op == "not":
             return self.cond(e.operand, not holds)
         if isinstance(e, BoolOp):

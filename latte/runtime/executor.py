@@ -9,7 +9,9 @@ import time
 import numpy as np
 
 from latte.compiler import HostStep, Program, Segment
+from latte.compiler.codegen import BOUNDS_OFFSET, BOUNDS_SITE
 from latte.compiler.ir import Buffer, Ref, walk
+from latte.errors import CompileError
 from latte.runtime.distributed import Communicator
 from latte.runtime.memory import Memory
 from latte.runtime.profile import Profile
@@ -38,11 +40,28 @@ class Executor:
         for seg in program.segments():
             self._fns[seg.name] = _SEGMENT(program.library.address(seg.name))
         self._table = ctypes.cast(memory.table, ctypes.c_void_p)
+        engine = program.library.engine   # code built with LATTE_CHECK_BOUNDS=1 has these
+        self._site = engine.get_global_value_address(BOUNDS_SITE)
+        self._offset = engine.get_global_value_address(BOUNDS_OFFSET)
         steps = program.forward + program.backward + program.test + program.update
         fused = {(g.owner(phase).ensemble, phase): g.name
                  for g in program.groups for phase in ("forward", "backward")}
         self._labels = ({id(s): step_label(s, fused) for s in steps} if profile is not None
                         else {})
+
+    def _call(self, segment: str) -> None:
+        """Run a native segment; with bounds checks compiled in, raise if it recorded an
+        access outside a buffer (the access was skipped)."""
+        self._fns[segment](self._table)
+        if self._site:
+            site = ctypes.c_void_p.from_address(self._site)
+            if site.value:
+                what = ctypes.string_at(site.value).decode()
+                offset = ctypes.c_int64.from_address(self._offset).value
+                site.value = None
+                raise CompileError(f"segment {segment}, {what}: the compiled code accessed "
+                                   f"offset {offset}, outside the buffer (the access was "
+                                   "skipped; a compiler bug: please report it)")
 
     def _run(self, steps, valid: int) -> None:
         bufs, mem = self.program.buffers, self.memory
@@ -50,7 +69,7 @@ class Executor:
             if self.comm is not None:
                 self.comm.progress()
             if isinstance(step, Segment):
-                self._fns[step.name](self._table)
+                self._call(step.name)
                 if step.name in self._ready_grads:
                     self.comm.start(self._ready_grads[step.name])
                 continue
@@ -96,10 +115,10 @@ class Executor:
             if self.comm is not None:
                 self.comm.wait(self._update_grads[seg.name])
             if self.profile is None:
-                self._fns[seg.name](self._table)
+                self._call(seg.name)
                 continue
             start = time.perf_counter()
-            self._fns[seg.name](self._table)
+            self._call(seg.name)
             self.profile.add(self._labels[id(seg)], "update", time.perf_counter() - start)
         if self.comm is not None:
             self.comm.end_step()
