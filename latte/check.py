@@ -100,6 +100,7 @@ def check(net: Net, ref: Net, *, seed: int = 0, probes: int = 1) -> Report:
     pairs = _pair(net, ref)
     rng = np.random.default_rng(seed)
     ref.init()
+    fd = _FiniteDifferences(ref, rng, probes)   # first, as it checks how ref was built
     net.init()   # last: from level 2 on, init sets BLAS to one thread per call
     for p in ref.params:
         if not p.value.any():
@@ -134,7 +135,6 @@ def check(net: Net, ref: Net, *, seed: int = 0, probes: int = 1) -> Report:
             grads = {r: ref.grad(r).copy() for r in ref.ensembles if _has_grad(ref, r)}
             param_grads = {q.name: q.grad.copy() for q in ref.params}
 
-    fd = _FiniteDifferences(ref, rng, probes)
     for r, g in grads.items():
         _record(rows[r.name], "fd_grad", fd.value_probes(r, g))
     for q in ref.params:
