@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,10 @@ import llvmlite.binding as llvm
 import pytest
 
 from latte.compiler import cache
+from latte.compiler.fingerprint import fingerprint
+from latte.compiler.ir import Affine, Assign, Block, Buffer, Const, Kernel, Loc, Loop, LoopKind, Ref
 from latte.compiler.jit import target
+from latte.compiler.program import Segment
 
 WORKER = Path(__file__).with_name("net_worker.py")
 NETS = ["mlp", "mlp2"]
@@ -133,6 +135,25 @@ def test_the_cached_object_is_the_optimized_one(tmp_path, monkeypatch):
     again = target().compile(SCALE)
     assert again.from_cache and again.address("scale")
     assert cache.load(lib.key) == stored     # a hit writes nothing
+
+
+def _program(value: float = 1.0, kind: LoopKind = LoopKind.SERIAL, loc=None, name: str = "x"):
+    buf = Buffer(("x", "value"), name, (8,))
+    store = Assign(Ref(buf, (Affine.of("i"),), (8,)), Const(value), loc=loc)
+    kernel = Kernel("k", Block((Loop("i", 0, 8, Block((store,)), kind),)))
+    return [Segment("fwd0", (kernel,))], {buf: 0}
+
+
+def test_the_fingerprint_covers_what_codegen_reads():
+    base = fingerprint(*_program(), threads=1)
+    assert fingerprint(*_program(loc=Loc("net.py", 3)), threads=1) == base   # not codegen's
+    for other in (_program(2.0), _program(kind=LoopKind.PARALLEL), _program(name="y")):
+        assert fingerprint(*other, threads=1) != base
+    assert fingerprint(*_program(), threads=2) != base
+    segments, index = _program()
+    assert fingerprint(segments, {b: 1 for b in index}, threads=1) != base
+    with pytest.raises(TypeError):
+        fingerprint([Segment("fwd0", (object(),))], index, threads=1)
 
 
 # ---------------------------------------------------------------- damaged entries, new process

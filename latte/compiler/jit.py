@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import functools
 import hashlib
+from typing import Callable
 
 import llvmlite
 import llvmlite.binding as llvm
@@ -58,10 +59,10 @@ class Target:
         for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads") if gomp else ():
             llvm.add_symbol(name, ctypes.cast(getattr(gomp, name), ctypes.c_void_p).value)
 
-    def cache_key(self, ir_digest: str) -> str:
-        """The cache key of the IR whose sha256 is ``ir_digest``, on this CPU and LLVM."""
+    def cache_key(self, fingerprint: str) -> str:
+        """The cache key of the program ``fingerprint`` identifies, on this CPU and LLVM."""
         h = hashlib.sha256()
-        for part in (ir_digest, self.cpu, self.features, llvmlite.__version__, "v2"):
+        for part in (fingerprint, self.cpu, self.features, llvmlite.__version__, "v2"):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()[:32]
@@ -75,14 +76,20 @@ class Target:
         pb.getModulePassManager().run(module, pb)
 
     def compile(self, ir_text: str) -> "CodeLibrary":
-        """JIT ``ir_text``: the cached object if a valid one exists, else parse, verify,
-        optimize and compile it, and cache the object of the optimized module."""
-        digest = hashlib.sha256(ir_text.encode()).hexdigest()
-        key = self.cache_key(digest)
+        """JIT ``ir_text``, through the cache keyed by its sha256."""
+        return self.library(hashlib.sha256(ir_text.encode()).hexdigest(), lambda: ir_text)
+
+    def library(self, fingerprint: str, build_ir: Callable[[], str]) -> "CodeLibrary":
+        """The code of the program whose IR ``build_ir()`` returns and that ``fingerprint``
+        identifies (a hash of everything the IR is made from): the cached object if a valid
+        one exists (then the IR is never built), else the IR parsed, verified, optimized and
+        compiled, and the object of the optimized module cached."""
+        key = self.cache_key(fingerprint)
         obj = cache.load(key)
         if obj is not None:
             # the object carries every symbol: MCJIT needs a module, any will do
-            return CodeLibrary(self._engine(self._module(""), obj), True, key, digest)
+            return CodeLibrary(self._engine(self._module(""), obj), True, key, None)
+        ir_text = build_ir()
         module = self._module(ir_text)
         module.verify()
         self.optimize(module)
@@ -90,7 +97,7 @@ class Target:
         engine = self._engine(module, None, compiled.append)
         if len(compiled) == 1:
             cache.store(key, compiled[0])
-        return CodeLibrary(engine, False, key, digest)
+        return CodeLibrary(engine, False, key, hashlib.sha256(ir_text.encode()).hexdigest())
 
     def _module(self, ir_text: str) -> llvm.ModuleRef:
         """``ir_text`` parsed, for this target (O3 needs the data layout)."""
@@ -111,9 +118,10 @@ class Target:
 
 class CodeLibrary:
     """A finalized JIT module: look up exported functions by name. ``key`` is its cache key,
-    ``ir_digest`` the sha256 of its LLVM IR text (both equal across processes for equal nets)."""
+    ``ir_digest`` the sha256 of its LLVM IR text (None when the object came from the cache and
+    the IR was never built); both are equal across processes for equal nets."""
 
-    def __init__(self, engine, from_cache: bool, key: str, ir_digest: str):
+    def __init__(self, engine, from_cache: bool, key: str, ir_digest: str | None):
         self.engine, self.from_cache, self.key, self.ir_digest = engine, from_cache, key, ir_digest
 
     def address(self, name: str) -> int:

@@ -18,6 +18,7 @@ from typing import Callable
 from latte.compiler import schedule
 from latte.compiler.buffers import BufferPlan
 from latte.compiler.codegen import ModuleBuilder
+from latte.compiler.fingerprint import fingerprint
 from latte.compiler.fusion import ROW_DIM, fusion_groups, keep_or_recompute, merge
 from latte.compiler.graph_checks import check_graph
 from latte.compiler.ir import Block, Kernel, Ref, walk
@@ -225,14 +226,21 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
         for kernel in kernels:
             verify_kernel(kernel)
         _dump(step.name, kernels)
-    # codegen: every segment into one LLVM module, then O3 + JIT (or the disk cache)
+    # codegen: every segment into one LLVM module, then O3 + JIT; the disk cache is looked up
+    # by the program's fingerprint first, and on a hit the LLVM IR is never built
     program = c.program
     index = {b: i for i, b in enumerate(program.buffers.buffers.values())}
-    mb = ModuleBuilder(index, program.buffers.threads)
-    for seg in program.segments():
+    segments, threads = program.segments(), program.buffers.threads
+    program.library = target().library(fingerprint(segments, index, threads),
+                                       lambda: _llvm_ir(segments, index, threads))
+    return program
+
+
+def _llvm_ir(segments: list[Segment], index: dict, threads: int) -> str:
+    mb = ModuleBuilder(index, threads)
+    for seg in segments:
         mb.add_segment(seg.name, list(seg.kernels))
     ir_text = str(mb.module)
     if "llvm" in os.environ.get("LATTE_DUMP", "").split(","):
         print(f"==== LLVM IR\n{ir_text}", file=sys.stderr)
-    program.library = target().compile(ir_text)
-    return program
+    return ir_text
