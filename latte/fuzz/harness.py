@@ -1,0 +1,177 @@
+"""Differential checks of random nets: an optimized level against level 0, and level 0
+against the reference interpreter (float64, straight from the lang objects).
+
+:func:`check_cases` builds the cases into one net per opt level (one compile covers them
+all), gives both the same parameters and inputs, and compares forward values, every
+ensemble's gradient, every parameter gradient and the parameters after each of three SGD
+steps. Mismatches are returned as :class:`Mismatch` records naming their case's seed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from latte import Net, Phase
+from latte.fuzz.nets import Case, Config, build_case, case_of, config, normal
+from latte.lang import DataEnsemble, NormalizationEnsemble
+from latte.stdlib import DropoutEnsemble
+
+STEPS = 3                       # SGD steps after the first forward/backward
+SGD = (0.01, 0.5, 0.01)         # lr, momentum, regu_coef (small: random nets are steep)
+TOL_LEVELS = 1e-4               # float32 against float32, relative to the array's scale
+TOL_REFERENCE = 2e-4            # float32 against float64
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One array that differs: which case, which comparison, how much."""
+
+    seed: int | None
+    what: str          # e.g. "step 1 grad c3_2neuron"
+    against: str       # "level 0" or "reference"
+    error: float
+    scale: float
+    index: tuple
+
+    def __str__(self) -> str:
+        return (f"case {self.seed}: {self.what} differs from {self.against}: max error "
+                f"{self.error:.3g} at {self.index} (scale {self.scale:.3g})")
+
+
+def _compare(out: list, what: str, name: str, got, want, tol: float, against: str) -> None:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        out.append(Mismatch(case_of(name), f"{what} {name} shape {got.shape} vs {want.shape}",
+                            against, np.inf, 0.0, ()))
+        return
+    if got.size == 0:
+        return
+    scale = max(float(np.abs(want).max()), 1e-2)
+    err = np.abs(got - want)
+    err[np.isnan(got) != np.isnan(want)] = np.inf
+    err = np.nan_to_num(err, nan=0.0)
+    if err.max() > tol * scale:
+        idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(err)), err.shape))
+        out.append(Mismatch(case_of(name), f"{what} {name}", against, float(err.max()), scale, idx))
+
+
+def groups(seeds, size: int) -> list[list[int]]:
+    """``seeds`` grouped by :func:`config` (a net holds cases of one config), in chunks of at
+    most ``size`` cases."""
+    by_config: dict[Config, list[int]] = {}
+    for s in seeds:
+        by_config.setdefault(config(s), []).append(s)
+    return [g[i:i + size] for g in by_config.values() for i in range(0, len(g), size)]
+
+
+def build(seeds: list[int], cfg: Config, level: int, loss: Callable | None = None):
+    """One net at ``level`` holding every case of ``seeds`` (compiled)."""
+    os.environ.setdefault("LATTE_CHECK_BOUNDS", "1")
+    net = Net(cfg.batch, num_threads=cfg.threads, opt_level=level, seed=0)
+    cases = [build_case(net, s, loss) for s in seeds]
+    net.init()
+    return net, cases
+
+
+def _inputs(rng: np.random.Generator, net: Net, cases: list[Case]) -> dict[str, np.ndarray]:
+    feed = {}
+    for case in cases:
+        for e in case.inputs:
+            feed[e.name] = normal(rng, (net.batch_size, *e.shape))
+        for e, n in case.labels:
+            feed[e.name] = rng.integers(0, n, (net.batch_size, 1)).astype(np.float32)
+    return feed
+
+
+def _computed(net: Net) -> list:
+    return [e for e in net.ensembles if not isinstance(e, NormalizationEnsemble)]
+
+
+def check_cases(seeds: list[int], *, level: int | None = None, reference: bool = True,
+                loss: Callable | None = None, timings: dict | None = None) -> list[Mismatch]:
+    """Run cases ``seeds`` (they share ``config(seeds[0])``; ``level`` overrides its
+    optimized level) and return every mismatch found."""
+    cfg = config(seeds[0])
+    level = cfg.level if level is None else level
+    timings = {} if timings is None else timings
+    start = time.process_time()
+    base, cases = build(seeds, cfg, 0, loss)
+    timings["compile0"] = timings.get("compile0", 0.0) + time.process_time() - start
+    start = time.process_time()
+    opt, _ = build(seeds, cfg, level, loss)
+    timings["compileL"] = timings.get("compileL", 0.0) + time.process_time() - start
+    rng = np.random.default_rng([*seeds, 7])
+    for p, q in zip(base.params, opt.params, strict=True):
+        assert p.name == q.name
+        p.value[...] = normal(rng, p.value.shape, 0.5)
+        q.value[...] = p.value
+    feeds = [_inputs(rng, base, cases) for _ in range(STEPS + 1)]
+    ref = _reference(base) if reference else None
+    out: list[Mismatch] = []
+    against = f"level 0 (level {level}, batch {cfg.batch}, {cfg.threads} thread(s))"
+    for step, feed in enumerate(feeds):
+        start = time.process_time()
+        for net in (base, opt):
+            for name, x in feed.items():
+                net.value(name)[...] = x
+            net.forward(Phase.TRAIN)
+            net.backward()
+        _compare_nets(out, f"step {step}", base, opt, TOL_LEVELS, against)
+        if step < STEPS:
+            for net in (base, opt):
+                net.update(*SGD)
+            for p, q in zip(base.params, opt.params):
+                _compare(out, f"step {step} update", p.name, q.value, p.value, TOL_LEVELS, against)
+        timings["run"] = timings.get("run", 0.0) + time.process_time() - start
+        if ref is not None:
+            start = time.process_time()
+            _reference_step(out, ref, base, feed, step)
+            timings["reference"] = timings.get("reference", 0.0) + time.process_time() - start
+    return out
+
+
+def _compare_nets(out, what: str, base: Net, opt: Net, tol: float, against: str) -> None:
+    for e in _computed(base):
+        _compare(out, f"{what} value", e.name, opt.value(e.name), base.value(e), tol, against)
+        if not isinstance(e, DataEnsemble) or getattr(e, "needs_grad", False):
+            _compare(out, f"{what} grad", e.name, opt.grad(e.name), base.grad(e), tol, against)
+    for p, q in zip(base.params, opt.params):
+        _compare(out, f"{what} param grad", p.name, q.grad, p.grad, tol, against)
+
+
+def _reference(net: Net):
+    """A reference interpreter over ``net`` from its initial parameters, or None while
+    ``latte.reference`` is not there."""
+    try:
+        from latte.reference import Reference
+    except ImportError:
+        return None
+    return Reference(net, params={p.name: p.value.astype(np.float64) for p in net.params})
+
+
+def _reference_step(out: list, ref, base: Net, feed: dict, step: int) -> None:
+    """Run one step on the reference with level 0's dropout masks, compare, then update."""
+    for e in base.ensembles:
+        if isinstance(e, DropoutEnsemble):
+            ref.fields[f"{e.name}.mask"][...] = base.field(e, "mask")
+    ref.forward(feed, phase=Phase.TRAIN)
+    ref.backward()
+    what = f"step {step}"
+    for e in _computed(base):
+        _compare(out, f"{what} value", e.name, base.value(e), ref.values[e.name], TOL_REFERENCE,
+                 "reference")
+        _compare(out, f"{what} grad", e.name, base.grad(e), ref.grads[e.name], TOL_REFERENCE,
+                 "reference")
+    for p in base.params:
+        _compare(out, f"{what} param grad", p.name, p.grad, ref.param_grads[p.name], TOL_REFERENCE,
+                 "reference")
+    if step < STEPS:
+        ref.sgd_step(*SGD)
+        for p in base.params:
+            _compare(out, f"{what} update", p.name, p.value, ref.params[p.name], TOL_REFERENCE,
+                     "reference")

@@ -1,0 +1,269 @@
+"""Random nets: each case is a small DAG (seeded) of generated neurons, in-place activations
+and stdlib layers over ``MemoryDataLayer`` inputs, ending in losses.
+
+:func:`build_case` adds case ``seed`` to any net; built twice with the same seed it adds the
+same ensembles, mappings and field arrays, so several nets (one per opt level) and several
+cases in one net (one compile for many cases) all see the same program. Ensemble names start
+with ``c<seed>_`` so a failing array names its case.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from latte import ActivationEnsemble, Ensemble, add_connections
+from latte.fuzz.neurons import ACTIVATIONS, activation_source, load_class, neuron_source
+from latte.lang import DataEnsemble
+from latte.stdlib import (
+    ConvolutionLayer,
+    DropoutLayer,
+    FullyConnectedLayer,
+    MaxPoolingLayer,
+    MeanPoolingLayer,
+    MemoryDataLayer,
+    ReLULayer,
+    SigmoidLayer,
+    SoftmaxLossLayer,
+    TanhLayer,
+)
+
+MAX_INPUTS = 40        # longest input vector of a generated neuron
+MAX_NEURONS = 60       # largest generated ensemble
+
+
+@dataclass(frozen=True)
+class Config:
+    """What one net of cases shares: batch size, threads, the optimized level it is
+    compared at (besides level 0)."""
+
+    batch: int
+    threads: int
+    level: int
+
+
+@dataclass
+class Case:
+    """The ensembles one case added to a net."""
+
+    seed: int
+    inputs: list = field(default_factory=list)     # MemoryDataLayers fed with real values
+    labels: list = field(default_factory=list)     # (ensemble, number of classes)
+    ensembles: list = field(default_factory=list)  # every ensemble, in creation order
+
+
+def config(seed: int) -> Config:
+    """The batch size, thread count and optimized level of case ``seed``."""
+    rng = np.random.default_rng([seed, 1])
+    return Config(int(rng.integers(1, 6)), int(rng.integers(1, 3)), int(rng.integers(1, 4)))
+
+
+def case_of(name: str) -> int | None:
+    """The seed of the case an ensemble (or ``ens.field``) name belongs to."""
+    head = name.split("_", 1)[0]
+    return int(head[1:]) if head[:1] == "c" and head[1:].isdigit() else None
+
+
+def normal(rng: np.random.Generator, shape, scale: float = 1.0) -> np.ndarray:
+    """Float32 normal values. Continuous values make exact ties (which SGD would turn into
+    near-ties that float32 and float64 decide differently in a max or an ``if``) unlikely."""
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+_CLASSES: dict[str, type] = {}
+
+
+def _cls(plan) -> type:
+    if plan.name not in _CLASSES:
+        _CLASSES[plan.name] = load_class(plan)
+    return _CLASSES[plan.name]
+
+
+# ---------------------------------------------------------------------- mappings
+def _entry_value(e: tuple, y: tuple):
+    kind = e[0]
+    if kind == "int":
+        return e[1]
+    if kind == "full":
+        return range(e[1])
+    if kind == "dim":
+        return y[e[1]] + e[2]
+    if kind == "win":
+        _, t, k, s, d, p = e
+        return range(s * y[t] - p, s * y[t] - p + d * (k - 1) + 1, d)
+    if kind == "gather":
+        return e[2][y[e[1]]]
+    lo = e[2][y[e[1]]]   # gwin: a window at a non-affine start
+    return range(lo - 1, lo + 1)
+
+
+def _mapping(entries: tuple) -> Callable:
+    return lambda *y: tuple(_entry_value(e, y) for e in entries)
+
+
+def _entries(rng: np.random.Generator, src: tuple, sink: tuple) -> tuple:
+    if src == sink and rng.random() < 0.4:
+        return tuple(("dim", j, 0) for j in range(len(src)))   # one-to-one
+    out = []
+    for n in src:
+        t = int(rng.integers(len(sink)))
+        m = sink[t]
+        kind = str(rng.choice(["full", "int", "dim", "win", "gather", "gwin"]))
+        if kind == "full":
+            out.append(("full", n))
+        elif kind == "int":
+            out.append(("int", int(rng.integers(n))))
+        elif kind == "dim":
+            out.append(("dim", t, int(rng.choice([0, 0, -1, 1]))))
+        elif kind == "win":
+            out.append(("win", t, int(rng.integers(1, 4)), int(rng.integers(1, 3)),
+                        int(rng.integers(1, 3)), int(rng.integers(0, 2))))
+        else:
+            table = (rng.permutation(max(n, m))[:m] % n if rng.random() < 0.5
+                     else (np.arange(m) ** 2 + int(rng.integers(n))) % n)
+            out.append((kind, t, tuple(int(v) for v in table)))
+    return tuple(out)
+
+
+def _length(entries: tuple) -> int:
+    probe = _mapping(entries)(*([0] * 8))   # lengths do not depend on the sink index
+    return int(np.prod([len(r) if isinstance(r, range) else 1 for r in probe]))
+
+
+def _needs_padding(entries: tuple, src: tuple, sink: tuple) -> bool:
+    mapping = _mapping(entries)
+    for y in itertools.product(*(range(d) for d in sink)):
+        for r, n in zip(mapping(*y), src):
+            r = r if isinstance(r, range) else range(r, r + 1)
+            if min(r) < 0 or max(r) >= n:
+                return True
+    return False
+
+
+def _connect(rng, net, src, sink_shape) -> tuple[tuple, float | None]:
+    entries = _entries(rng, src.shape, sink_shape)
+    while _length(entries) > MAX_INPUTS:   # narrow a full range to one index
+        j = next(j for j, e in enumerate(entries) if e[0] in ("full", "win"))
+        entries = entries[:j] + (("int", int(rng.integers(src.shape[j]))),) + entries[j + 1:]
+    padding = None
+    if _needs_padding(entries, src.shape, sink_shape) or rng.random() < 0.1:
+        padding = float(rng.choice([0.0, 0.5, -1.0]))
+    return entries, padding
+
+
+# ---------------------------------------------------------------------- layers
+def _shape(rng: np.random.Generator) -> tuple[int, ...]:
+    while True:
+        shape = tuple(int(d) for d in rng.choice([1, 2, 3, 4, 5, 7], size=int(rng.integers(1, 4))))
+        if np.prod(shape) <= MAX_NEURONS:
+            return shape
+
+
+def _field_array(rng, f, shape: tuple):
+    lead = {"own": shape, "lead": shape[:1], "all": (1,)}[f.share]
+    if f.kind == "Batch":
+        return np.zeros(shape, np.float32)
+    if f.kind == "Field":
+        values = rng.choice([-1.5, -0.5, 0.5, 1.0, 1.5], size=(*lead, f.length)).astype(np.float32)
+    else:
+        values = normal(rng, (*lead, f.length), 1.0 / np.sqrt(f.length))
+    if f.share == "own":
+        return values
+    return (values, (lambda *i: i[0]) if f.share == "lead" else (lambda *i: 0))
+
+
+def _neuron(rng, net, name: str, pool: list):
+    first = pool[int(rng.integers(len(pool)))]
+    shape = first.shape if rng.random() < 0.5 and first.size <= MAX_NEURONS else _shape(rng)
+    sources = [first]
+    for _ in range(int(rng.integers(0, 3))):
+        sources.append(first if rng.random() < 0.35 else pool[int(rng.integers(len(pool)))])
+    conns = [_connect(rng, net, s, shape) for s in sources]
+    plan = neuron_source(f"N{name}", [_length(e) for e, _ in conns], rng)
+    fields = {f.name: _field_array(rng, f, shape) for f in plan.fields}
+    ens = Ensemble(net, name, _cls(plan), shape, **fields)
+    for s, (entries, padding) in zip(sources, conns):
+        add_connections(net, s, ens, _mapping(entries), padding=padding)
+    return ens
+
+
+def _stdlib(rng, net, name: str, kind: str, src):
+    if kind == "fc":
+        return FullyConnectedLayer(name, net, src, int(rng.integers(1, 8)))
+    if kind == "dropout":
+        drop = DropoutLayer(name, net, src, float(rng.choice([0.25, 0.5])))
+        # masks from the case's own stream: the same whatever else shares the net
+        drop.rng = np.random.default_rng([int(rng.integers(2**32)), 2])
+        return drop
+    _, h, w = src.shape
+    k = int(rng.integers(1, min(h, w, 3) + 1))
+    stride, pad = int(rng.integers(1, 3)), int(rng.integers(0, min(k, 2)))
+    if kind == "conv":
+        return ConvolutionLayer(name, net, src, int(rng.integers(1, 5)), k, stride, pad)
+    layer = MaxPoolingLayer if kind == "maxpool" else MeanPoolingLayer
+    return layer(name, net, src, k, stride, pad)
+
+
+def build_case(net, seed: int, loss: Callable | None = None) -> Case:
+    """Add case ``seed`` to ``net``: inputs, 2-5 layers, and a loss on every ensemble no
+    layer reads. ``loss(net, name, ens)`` adds a loss over ``ens`` (default: softmax
+    cross-entropy against a label input); losses alternate with it when given."""
+    rng = np.random.default_rng(seed)
+    case = Case(seed)
+    p = f"c{seed}_"
+    for i in range(int(rng.integers(1, 3))):
+        shape = _shape(rng) if rng.random() < 0.5 else (int(rng.integers(1, 4)),
+                                                      int(rng.integers(3, 8)), int(rng.integers(3, 8)))
+        case.inputs.append(MemoryDataLayer(net, f"{p}in{i}", shape))
+    ens = list(case.inputs)
+    readers = {e.name: 0 for e in ens}
+    sealed: set[str] = set()   # sources of in-place activations: nothing else may read them
+
+    def pick(pool):
+        return pool[int(rng.integers(len(pool)))]
+
+    for i in range(int(rng.integers(2, 6))):
+        pool = [e for e in ens if e.name not in sealed]
+        cubes = [e for e in pool if len(e.shape) == 3 and min(e.shape[1:]) >= 2]
+        free = [e for e in pool if readers[e.name] == 0 and not isinstance(e, DataEnsemble)
+                and not isinstance(e, ActivationEnsemble)]
+        kinds = ["neuron"] * 5 + ["fc", "dropout"] + (["conv", "maxpool", "meanpool"] if cubes else [])
+        kinds += ["act", "stdact"] if free else []
+        kind = str(rng.choice(kinds))
+        name = f"{p}{i}{kind}"
+        if kind == "neuron":
+            new = _neuron(rng, net, name, pool)
+            srcs = [c.source for c in net.connections_into(new)]
+        elif kind in ("act", "stdact"):
+            src = pick(free)
+            if kind == "act":
+                act = str(rng.choice(sorted(ACTIVATIONS)))
+                plan = activation_source(f"A{name}", act)
+                fields = {f.name: _field_array(rng, f, src.shape) for f in plan.fields}
+                new = ActivationEnsemble(net, name, _cls(plan), src, **fields)
+            else:
+                new = [ReLULayer, TanhLayer, SigmoidLayer][int(rng.integers(3))](name, net, src)
+            srcs = [src]
+            sealed.add(src.name)
+        else:
+            src = pick(cubes if kind in ("conv", "maxpool", "meanpool") else pool)
+            new = _stdlib(rng, net, name, kind, src)
+            srcs = [src]
+        for s in srcs:
+            readers[s.name] += 1
+        readers[new.name] = 0
+        ens.append(new)
+    sinks = [e for e in ens if readers[e.name] == 0 and e.name not in sealed
+             and not isinstance(e, DataEnsemble)]
+    for j, e in enumerate(sinks):
+        if loss is not None and rng.random() < 0.5:
+            loss(net, f"{p}loss{j}", e)
+        else:
+            label = MemoryDataLayer(net, f"{p}label{j}", (1,))
+            case.labels.append((label, e.size))
+            SoftmaxLossLayer(f"{p}loss{j}", net, e, label)
+    case.ensembles = [e for e in net.ensembles if case_of(e.name) == seed]
+    return case
