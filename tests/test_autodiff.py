@@ -216,6 +216,20 @@ class WindowMinNeuron(Neuron):
         self.value = low * low + (self.inputs[0][4] if low < 0.0 else -self.inputs[0][4])
 
 
+class SignedPeakNeuron(Neuron):
+    """A carried local overwritten in two branches: its adjoint goes to whichever wrote last."""
+
+    def forward(self):
+        peak = 0.0
+        for i in range(len(self.inputs[0])):
+            v = self.inputs[0][i]
+            if v > peak:
+                peak = v
+            elif v < -2.0 * peak:
+                peak = -0.5 * v
+        self.value = peak * peak
+
+
 class ParityNeuron(Neuron):
     """A local chosen per iteration by ``%`` (a join inside a loop), weights picked by
     ``//``, and the accumulated value reused nonlinearly."""
@@ -265,7 +279,8 @@ def activation_net(opt_level: int, neuron: type) -> tuple[Net, Ensemble]:
     return net, x
 
 
-REFERENCE_CASES = [(window_net, WindowMinNeuron), (window_net, ParityNeuron),
+REFERENCE_CASES = [(window_net, WindowMinNeuron), (window_net, SignedPeakNeuron),
+                   (window_net, ParityNeuron),
                    (window_net, SmoothNeuron), (activation_net, Relu6Neuron),
                    (activation_net, HalfExpNeuron)]
 

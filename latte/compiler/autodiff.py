@@ -227,7 +227,7 @@ class _Rev:
         seed = self.adj.get(s.target)
         if seed is None:
             return
-        conds = tuple(Compare("==", Var(v), Var(last)) for last, v in s.guard)
+        conds = tuple(Compare("==", what, Var(last)) for last, what in s.guard)
         guard = conds[0] if len(conds) == 1 else BoolOp("and", conds)
         (body,) = self.region([[s]], local_vars(s.value), set(), run=lambda _: self.contrib(s.value, seed))
         self.out.append(at(If(guard, Block(tuple(body))), s.loc))

@@ -35,11 +35,12 @@ from latte.compiler.ir import (
 @dataclass(frozen=True)
 class Kill:
     """``target = value`` overwriting a carried local; its adjoint goes to the last write,
-    the iteration ``guard`` records (``(last_local, loop_var)`` pairs)."""
+    the write ``guard`` records: ``(last_local, what)`` pairs, ``what`` a loop variable or
+    the write's number among the local's writes (when it has several)."""
 
     target: str
     value: Expr
-    guard: tuple[tuple[str, str], ...]
+    guard: tuple[tuple[str, Expr], ...]
     loc: object = None
 
 
@@ -112,7 +113,7 @@ class SSA:
         self.cur: dict[str, str] = {}
         self.carried: list[set[str]] = []      # carried names of the enclosing loops
         self.loop_stack: list[str] = []        # their variables
-        self.kill_sites: dict[str, list] = {}  # carried name -> [(loop vars at the write)]
+        self.kill_sites: dict[str, list] = {}  # carried name -> the guard of each write
         self.source: dict[str, str] = {}       # SSA name -> source name
         self.all_carried: set[str] = set()
 
@@ -159,8 +160,7 @@ class SSA:
                 out.append(at(Assign(Var(name), BinOp(v.op, Var(name), self.read(v.rhs, out))), loc))
             elif src not in local_vars(v) and name in self.kill_sites:
                 value = self.read(v, out)
-                guard = tuple((last, var) for last, var in self.kill_sites[name][0])
-                out.append(Kill(name, value, guard, loc))
+                out.append(Kill(name, value, self.kill_sites[name].pop(0), loc))
             else:
                 out.append(at(Assign(Var(name), self.read(v, out, keep=name)), loc))
             return
@@ -213,11 +213,15 @@ class SSA:
             self.cur[src] = name
             names.append(name)
             sites = _kill_sites(s, src, [s.var])
-            if len(sites) == 1 and sites[0] is not None:
-                lasts = [(self.fresh(f"_last_{src}"), v) for v in sites[0]]
-                out.extend(Assign(Var(last), Const(-1.0)) for last, _ in lasts)
-                self.kill_sites[name] = [lasts]
-                kills.append((name, lasts[0][0]))
+            if sites and None not in sites:
+                lasts = {v: self.fresh(f"_last_{src}") for site in sites for v in site}
+                which = self.fresh(f"_which_{src}") if len(sites) > 1 else None
+                self.kill_sites[name] = [
+                    (*((lasts[v], Var(v)) for v in site), *(((which, Const(k)),) if which else ()))
+                    for k, site in enumerate(sites)]
+                out.extend(Assign(Var(last), Const(-1.0)) for last in (*lasts.values(), which)
+                           if last)
+                kills.append((name, lasts[s.var]))
         self.carried.append(set(names))
         self.all_carried |= set(names)
         body = self.block(s.body.stmts, head)
@@ -308,7 +312,7 @@ def replay(stmts, suppress: frozenset) -> list:
         if isinstance(s, Kill):
             out.append(at(Assign(Var(s.target), s.value), s.loc))
             if s.target not in suppress:
-                out.extend(Assign(Var(last), Var(v)) for last, v in s.guard)
+                out.extend(Assign(Var(last), what) for last, what in s.guard)
         elif isinstance(s, PIf):
             out.append(at(If(Var(s.cond), Block(tuple(replay(s.then, suppress))),
                               Block(tuple(replay(s.orelse, suppress)))), s.loc))
@@ -357,11 +361,11 @@ def kills(s: PIf) -> list[Kill]:
 
 
 def without(stmts, drop: list[Kill]) -> list:
-    """``stmts`` less the kills of ``drop``'s targets (each carried local has one kill)."""
-    targets = {k.target for k in drop}
+    """``stmts`` less the writes in ``drop`` (a write is its target and guard)."""
+    keys = {(k.target, k.guard) for k in drop}
     out = []
     for t in stmts:
-        if isinstance(t, Kill) and t.target in targets:
+        if isinstance(t, Kill) and (t.target, t.guard) in keys:
             continue
         if isinstance(t, PIf):
             t = PIf(t.cond, tuple(without(t.then, drop)), tuple(without(t.orelse, drop)), t.loc)
