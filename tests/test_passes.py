@@ -7,7 +7,9 @@ import itertools
 
 import numpy as np
 import pytest
+from helpers import fill
 
+from latte import Batch, Ensemble, Net, Neuron, add_connections
 from latte.compiler.ir import (
     Affine,
     Assign,
@@ -26,6 +28,7 @@ from latte.compiler.ir import (
 )
 from latte.compiler.passes import distribute_loops, match_gemm
 from latte.compiler.passes.localize import _gemm_row
+from latte.stdlib import MemoryDataLayer
 
 # ---------------------------------------------------------------- a tiny IR interpreter
 
@@ -317,3 +320,33 @@ def test_substitute_avoids_name_capture():
     # simultaneous: a swap is a swap
     assert substitute(Affine.build({"x": 1, "y": 2}), {"x": Affine.of("y"), "y": Affine.of("x")}) \
         == Affine.build({"y": 1, "x": 2})
+
+
+class _PartialSums(Neuron):
+    """``s`` sums the running partial sums of the inputs: the second statement reads the
+    value the first one is still accumulating, at the same index in every iteration."""
+
+    s: Batch
+
+    def forward(self):
+        for i in range(len(self.inputs[0])):
+            self.value += self.inputs[0][i]
+            self.s += self.value
+        self.value = self.s
+
+    def backward(self):
+        for i in range(len(self.inputs[0])):
+            self.grad_inputs[0][i] += self.grad * (len(self.inputs[0]) - i)
+
+
+@pytest.mark.parametrize("opt_level", (0, 1, 3))
+def test_distribution_keeps_statements_that_share_an_element_across_iterations(opt_level):
+    net = Net(2, opt_level=opt_level, num_threads=1, seed=1)
+    x = MemoryDataLayer(net, "x", (4,))
+    e = Ensemble(net, "e", _PartialSums, (3,), s=np.zeros((3, 1), np.float32))
+    add_connections(net, x, e, lambda o: (range(4),))
+    net.init()
+    xv = fill(net, x, np.random.default_rng(0))
+    net.forward()
+    want = np.cumsum(xv, axis=1).sum(axis=1)
+    np.testing.assert_allclose(net.value(e), np.repeat(want[:, None], 3, axis=1), rtol=1e-5)

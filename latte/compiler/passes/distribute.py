@@ -3,10 +3,13 @@
 Synthesis puts a neuron's whole body under one loop nest; the GEMM matcher needs each
 multiply-accumulate alone under a perfect nest (paper section 5.3, "pattern matching").
 
-Assumes: statements of a body exchange data only within one iteration (a neuron reads its
-own value and grad) or through ``+=`` accumulation. Guarantees: a group is moved out only
-when every buffer it shares with another group is accessed at the same index in both, or is
-only accumulated into by both; statements sharing a local scalar stay together.
+Distributing a loop runs every iteration of one group before the next group starts, which
+is legal when the groups exchange data only within one iteration. Checked here: every
+buffer a group writes and another group uses is either accessed at one index expression
+in both that is injective over the iterations of the loop and the loops inside it (so an
+element is shared only within one iteration; a mixed-radix test on the affine offset), or
+only accumulated into (``+=``, never loaded) by both; statements sharing a local scalar
+stay together.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def _block(block: Block) -> Block:
 def _loop(loop: Loop) -> list[Loop]:
     body = _block(loop.body)
     groups = _groups(body.stmts)
-    if len(groups) > 1 and _independent(groups):
+    if len(groups) > 1 and _independent(groups, loop):
         return [replace(loop, body=_block(Block(tuple(g)))) for g in groups]
     return [replace(loop, body=body)]
 
@@ -87,7 +90,7 @@ def _uses(group) -> dict[Buffer, _Use]:
     for s in group:
         for n in walk(s):
             if isinstance(n, Ref):
-                uses.setdefault(n.buffer, _Use()).indices.add(n.index)
+                uses.setdefault(n.buffer, _Use()).indices.add((n.index, n.view))
             elif isinstance(n, Load) and isinstance(n.ref, Ref):
                 uses.setdefault(n.ref.buffer, _Use()).loaded = True
             elif isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Ref) and not (
@@ -96,7 +99,24 @@ def _uses(group) -> dict[Buffer, _Use]:
     return uses
 
 
-def _independent(groups) -> bool:
+def _injective(index: tuple, view: tuple, loop: Loop, extents: dict[str, int]) -> bool:
+    """Do two different iterations of ``loop`` (whatever the loops inside it, of
+    ``extents``, do) reach different elements through ``index``? Sufficient: the offset
+    depends on ``loop.var`` and, sorted by size, each stride exceeds the span of the
+    smaller ones (the loop variables are digits of the offset)."""
+    off = Ref(None, index, view).offset()
+    if off is None or (loop.extent > 1 and not off.coef(loop.var)):
+        return False
+    span = 0
+    for c, n in sorted((abs(c), extents[v]) for v, c in off.terms if extents.get(v, 1) > 1):
+        if c <= span:
+            return False
+        span += c * (n - 1)
+    return True
+
+
+def _independent(groups, loop: Loop) -> bool:
+    extents = {n.var: n.extent for n in walk(loop) if isinstance(n, Loop)}
     written = [{r.buffer for s in g for r in written_refs(s)} for g in groups]
     uses = [_uses(g) for g in groups]
     for i in range(len(groups)):
@@ -105,7 +125,8 @@ def _independent(groups) -> bool:
                 continue
             for buf in written[i] & uses[j].keys():
                 a, b = uses[i][buf], uses[j][buf]
-                same_point = len(a.indices | b.indices) == 1
+                points = a.indices | b.indices
+                same_point = len(points) == 1 and _injective(*next(iter(points)), loop, extents)
                 commutative = (a.accumulated_only and b.accumulated_only
                                and not a.loaded and not b.loaded)
                 if not (same_point or commutative):
