@@ -1,8 +1,7 @@
-"""Shared fixtures: a private compile cache per test session."""
+"""Shared fixtures: a private compile cache per test session, in which every compiled
+kernel is verified after every pipeline step (``LATTE_VERIFY=steps``)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
@@ -17,12 +16,9 @@ def pytest_addoption(parser):
 
 @pytest.fixture(autouse=True, scope="session")
 def latte_cache_dir(tmp_path_factory):
-    """Point LATTE_CACHE_DIR at a per-session temporary directory."""
+    """Point LATTE_CACHE_DIR at a per-session temporary directory; verify every step."""
     path = tmp_path_factory.mktemp("latte-cache")
-    old = os.environ.get("LATTE_CACHE_DIR")
-    os.environ["LATTE_CACHE_DIR"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("LATTE_CACHE_DIR", None)
-    else:
-        os.environ["LATTE_CACHE_DIR"] = old
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LATTE_CACHE_DIR", str(path))
+        mp.setenv("LATTE_VERIFY", "steps")
+        yield path

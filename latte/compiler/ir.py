@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -296,10 +297,15 @@ class Kernel(Node):
 
 # ---------------------------------------------------------------- traversal
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def children(node: Node) -> Iterator[Node]:
     """Direct child nodes, in field order."""
-    for f in dataclasses.fields(node):
-        val = getattr(node, f.name)
+    for name in _field_names(type(node)):
+        val = getattr(node, name)
         if isinstance(val, Node):
             yield val
         elif isinstance(val, tuple):

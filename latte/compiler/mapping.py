@@ -13,6 +13,7 @@ source. Fields' index maps are fitted the same way.
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import islpy as isl
@@ -254,7 +255,17 @@ def _gather(conn) -> ConnAccess:
 
 def fit_index_map(ens, field) -> tuple[Affine, ...]:
     """Affine form of a field's ``index_map`` (identity when none was given), proven at every
-    neuron and bounds-checked."""
+    neuron and bounds-checked; computed once per field (synthesis asks for each phase)."""
+    fit = _FITS.get(field)
+    if fit is None:
+        fit = _FITS[field] = _fit_index_map(ens, field)
+    return fit
+
+
+_FITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fit_index_map(ens, field) -> tuple[Affine, ...]:
     shape = ens.shape
     if field.index_map is None:
         return tuple(Affine.of(sink_var(d)) for d in range(len(shape)))

@@ -3,9 +3,10 @@
 Each step has a name, the lowest opt level it runs at, and a function. A kernel step is
 ``fn(c, kernel) -> kernel``, applied to every ensemble's forward and backward kernel; a
 net step is ``fn(c) -> None`` over the whole :class:`Compilation` (planning fusion,
-merging groups, scheduling). After every step each kernel is verified (bounds,
-well-formedness) and, with ``LATTE_DUMP=ir`` (every step) or ``LATTE_DUMP=ir:STEP`` (one),
-printed to stderr.
+merging groups, scheduling). The kernels are verified (bounds, well-formedness) after
+synthesis and after the last step, or after every step with ``LATTE_VERIFY=steps`` (the
+test suite and the random tester run so); with ``LATTE_DUMP=ir`` (every step) or
+``LATTE_DUMP=ir:STEP`` (one) they are printed to stderr.
 """
 
 from __future__ import annotations
@@ -189,6 +190,11 @@ STEPS = (
 )
 
 
+# the kernels are verified after these steps (what the user wrote, what runs); with
+# LATTE_VERIFY=steps after every step, which names the step that broke an invariant
+VERIFIED_AFTER = ("synthesize", "schedule")
+
+
 def _forced(c: Compilation, kernel: Kernel) -> tuple[int, int] | None:
     """The tile rows a fused group imposes on ``kernel``'s ensemble."""
     for g in c.groups:
@@ -213,6 +219,8 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     """
     c = Compilation(net, opt_level, BufferPlan(net.batch_size, threads if opt_level >= 2 else 1),
                     split_segments, budget=cache_sizes()[2])  # a tile's working set: the L2
+    checked: dict[int, Kernel] = {}   # holds every checked kernel, so ids stay unique
+    every_step = os.environ.get("LATTE_VERIFY") == "steps"
     for step in STEPS:
         if opt_level < step.min_opt:
             continue
@@ -223,8 +231,11 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
         else:
             step.fn(c)
         kernels = c.kernels()
-        for kernel in kernels:
-            verify_kernel(kernel)
+        if every_step or step.name in VERIFIED_AFTER:
+            for kernel in kernels:   # a kernel a step returned unchanged is not checked again
+                if checked.get(id(kernel)) is not kernel:
+                    verify_kernel(kernel)
+                    checked[id(kernel)] = kernel
         _dump(step.name, kernels)
     # codegen: every segment into one LLVM module, then O3 + JIT; the disk cache is looked up
     # by the program's fingerprint first, and on a hit the LLVM IR is never built

@@ -82,7 +82,7 @@ def walk_scoped(node: Node, scope: Scope, visit: Callable[[Node, Scope], None]) 
     if isinstance(node, Block):
         known = dict(scope.known)
         for stmt in node.stmts:
-            for n in walk(stmt):
+            for n in walk(stmt) if known else ():   # a local reassigned below stands for nothing
                 if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Var):
                     known.pop(n.target.name, None)
             walk_scoped(stmt, replace(scope, known=tuple(known.items())), visit)

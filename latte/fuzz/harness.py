@@ -72,6 +72,7 @@ def groups(seeds, size: int) -> list[list[int]]:
 def build(seeds: list[int], cfg: Config, level: int, loss: Callable | None = None):
     """One net at ``level`` holding every case of ``seeds`` (compiled)."""
     os.environ.setdefault("LATTE_CHECK_BOUNDS", "1")
+    os.environ.setdefault("LATTE_VERIFY", "steps")
     net = Net(cfg.batch, num_threads=cfg.threads, opt_level=level, seed=0)
     cases = [build_case(net, s, loss) for s in seeds]
     net.init()
@@ -93,17 +94,19 @@ def _computed(net: Net) -> list:
 
 
 def check_cases(seeds: list[int], *, level: int | None = None, reference: bool = True,
-                loss: Callable | None = None, timings: dict | None = None) -> list[Mismatch]:
+                loss: Callable | None = None, derived: float = 0.0,
+                timings: dict | None = None) -> list[Mismatch]:
     """Run cases ``seeds`` (they share ``config(seeds[0])``; ``level`` overrides its
-    optimized level) and return every mismatch found."""
+    optimized level) and return every mismatch found. ``derived``: the fraction of
+    generated neurons left without ``backward``."""
     cfg = config(seeds[0])
     level = cfg.level if level is None else level
     timings = {} if timings is None else timings
     start = time.process_time()
-    base, cases = build(seeds, cfg, 0, loss)
+    base, cases = build(seeds, cfg, 0, loss, derived)
     timings["compile0"] = timings.get("compile0", 0.0) + time.process_time() - start
     start = time.process_time()
-    opt, _ = build(seeds, cfg, level, loss)
+    opt, _ = build(seeds, cfg, level, loss, derived)
     timings["compileL"] = timings.get("compileL", 0.0) + time.process_time() - start
     rng = np.random.default_rng([*seeds, 7])
     for p, q in zip(base.params, opt.params, strict=True):
