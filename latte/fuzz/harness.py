@@ -69,12 +69,13 @@ def groups(seeds, size: int) -> list[list[int]]:
     return [g[i:i + size] for g in by_config.values() for i in range(0, len(g), size)]
 
 
-def build(seeds: list[int], cfg: Config, level: int, loss: Callable | None = None):
+def build(seeds: list[int], cfg: Config, level: int, loss: Callable | None = None,
+          derived: float = 0.0):
     """One net at ``level`` holding every case of ``seeds`` (compiled)."""
     os.environ.setdefault("LATTE_CHECK_BOUNDS", "1")
     os.environ.setdefault("LATTE_VERIFY", "steps")
     net = Net(cfg.batch, num_threads=cfg.threads, opt_level=level, seed=0)
-    cases = [build_case(net, s, loss) for s in seeds]
+    cases = [build_case(net, s, loss, derived) for s in seeds]
     net.init()
     return net, cases
 

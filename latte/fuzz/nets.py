@@ -77,9 +77,9 @@ _CLASSES: dict[str, type] = {}
 
 
 def _cls(plan) -> type:
-    if plan.name not in _CLASSES:
-        _CLASSES[plan.name] = load_class(plan)
-    return _CLASSES[plan.name]
+    if plan.source not in _CLASSES:
+        _CLASSES[plan.source] = load_class(plan)
+    return _CLASSES[plan.source]
 
 
 # ---------------------------------------------------------------------- mappings
@@ -175,14 +175,21 @@ def _field_array(rng, f, shape: tuple):
     return (values, (lambda *i: i[0]) if f.share == "lead" else (lambda *i: 0))
 
 
-def _neuron(rng, net, name: str, pool: list):
+def _neuron(rng, net, name: str, pool: list, derived: float):
     first = pool[int(rng.integers(len(pool)))]
-    shape = first.shape if rng.random() < 0.5 and first.size <= MAX_NEURONS else _shape(rng)
-    sources = [first]
-    for _ in range(int(rng.integers(0, 3))):
-        sources.append(first if rng.random() < 0.35 else pool[int(rng.integers(len(pool)))])
-    conns = [_connect(rng, net, s, shape) for s in sources]
-    plan = neuron_source(f"N{name}", [_length(e) for e, _ in conns], rng)
+    if first.size <= MAX_NEURONS and rng.random() < 0.15:
+        # LRN-like: one-to-one and a window across the first dimension of the same source
+        shape, sources = first.shape, [first, first]
+        ident = tuple(("dim", j, 0) for j in range(len(shape)))
+        conns = [(ident, None), ((("win", 0, 3, 1, 1, 1), *ident[1:]), 0.0)]
+    else:
+        shape = first.shape if rng.random() < 0.5 and first.size <= MAX_NEURONS else _shape(rng)
+        sources = [first]
+        for _ in range(int(rng.integers(0, 3))):
+            sources.append(first if rng.random() < 0.35 else pool[int(rng.integers(len(pool)))])
+        conns = [_connect(rng, net, s, shape) for s in sources]
+    plan = neuron_source(f"N{name}", [_length(e) for e, _ in conns], rng,
+                         backward=rng.random() >= derived)
     fields = {f.name: _field_array(rng, f, shape) for f in plan.fields}
     ens = Ensemble(net, name, _cls(plan), shape, **fields)
     for s, (entries, padding) in zip(sources, conns):
@@ -207,10 +214,11 @@ def _stdlib(rng, net, name: str, kind: str, src):
     return layer(name, net, src, k, stride, pad)
 
 
-def build_case(net, seed: int, loss: Callable | None = None) -> Case:
-    """Add case ``seed`` to ``net``: inputs, 2-5 layers, and a loss on every ensemble no
+def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.0) -> Case:
+    """Add case ``seed`` to ``net``: inputs, 2-4 layers, and a loss on every ensemble no
     layer reads. ``loss(net, name, ens)`` adds a loss over ``ens`` (default: softmax
-    cross-entropy against a label input); losses alternate with it when given."""
+    cross-entropy against a label input); losses alternate with it when given. A fraction
+    ``derived`` of the generated neurons have no ``backward`` (the compiler derives it)."""
     rng = np.random.default_rng(seed)
     case = Case(seed)
     p = f"c{seed}_"
@@ -225,7 +233,7 @@ def build_case(net, seed: int, loss: Callable | None = None) -> Case:
     def pick(pool):
         return pool[int(rng.integers(len(pool)))]
 
-    for i in range(int(rng.integers(2, 6))):
+    for i in range(int(rng.integers(2, 5))):
         pool = [e for e in ens if e.name not in sealed]
         cubes = [e for e in pool if len(e.shape) == 3 and min(e.shape[1:]) >= 2]
         free = [e for e in pool if readers[e.name] == 0 and not isinstance(e, DataEnsemble)
@@ -235,7 +243,7 @@ def build_case(net, seed: int, loss: Callable | None = None) -> Case:
         kind = str(rng.choice(kinds))
         name = f"{p}{i}{kind}"
         if kind == "neuron":
-            new = _neuron(rng, net, name, pool)
+            new = _neuron(rng, net, name, pool, derived)
             srcs = [c.source for c in net.connections_into(new)]
         elif kind in ("act", "stdact"):
             src = pick(free)

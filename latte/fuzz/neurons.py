@@ -11,6 +11,7 @@ each operation's adjoint in reverse. :func:`load_class` imports the text from a 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -195,8 +196,10 @@ def _combine(t: _Tape, values: list[str], steps: int) -> str:
     return out
 
 
-def neuron_source(name: str, input_lengths: list[int], rng: np.random.Generator) -> NeuronPlan:
-    """A random neuron type over connections with the given input lengths."""
+def neuron_source(name: str, input_lengths: list[int], rng: np.random.Generator,
+                  backward: bool = True) -> NeuronPlan:
+    """A random neuron type over connections with the given input lengths; without
+    ``backward`` the compiler derives it."""
     t = _Tape(rng)
     values = [_reduction(t, k, n, str(rng.choice(REDUCTIONS if n > 1 else ("dot", "fsum", "pick"))))
               for k, n in enumerate(input_lengths)]
@@ -217,22 +220,25 @@ def neuron_source(name: str, input_lengths: list[int], rng: np.random.Generator)
     bwd = [*t.fwd, *(f"g_{v} = 0.0" for v in t.locals), *seed]
     for block in reversed(t.adj):
         bwd += block
-    return NeuronPlan(name, _class_text(name, t.fields, fwd, bwd), tuple(t.fields))
+    return NeuronPlan(name, class_text(name, t.fields, fwd, bwd if backward else None),
+                      tuple(t.fields))
 
 
 def activation_source(name: str, kind: str) -> NeuronPlan:
     """An in-place activation neuron type (for an ``ActivationEnsemble``)."""
     fwd, bwd = ACTIVATIONS[kind]
     fields = (FieldPlan("gain", "Field", 1, "own"),) if kind == "gain" else ()
-    return NeuronPlan(name, _class_text(name, fields, fwd, bwd), fields)
+    return NeuronPlan(name, class_text(name, fields, fwd, bwd), fields)
 
 
-def _class_text(name: str, fields, fwd: list[str], bwd: list[str]) -> str:
+def class_text(name: str, fields, fwd: list[str], bwd: list[str] | None) -> str:
+    """The module text of neuron class ``name`` with ``fields`` and the body lines (no
+    ``backward`` method when ``bwd`` is None)."""
     decl = [f"    {f.name}: {f.kind}" for f in fields]
+    back = ["", "    def backward(self):", *("        " + s for s in bwd)] if bwd is not None else []
     return "\n".join(["import math", "", "from latte import Batch, Field, Neuron, Param", "", "",
                       f"class {name}(Neuron):", *decl, "",
-                      "    def forward(self):", *("        " + s for s in fwd), "",
-                      "    def backward(self):", *("        " + s for s in bwd), ""])
+                      "    def forward(self):", *("        " + s for s in fwd), *back, ""])
 
 
 _DIR: str | None = None
@@ -249,10 +255,11 @@ def source_dir() -> str:
 
 def load_class(plan: NeuronPlan) -> type:
     """Write ``plan.source`` to a module file and import the class from it."""
-    path = os.path.join(source_dir(), f"{plan.name}.py")
+    digest = hashlib.sha1(plan.source.encode()).hexdigest()[:10]   # one file per text
+    path = os.path.join(source_dir(), f"{plan.name}_{digest}.py")
     with open(path, "w") as f:
         f.write(plan.source)
-    spec = importlib.util.spec_from_file_location(f"latte_fuzz_{plan.name}", path)
+    spec = importlib.util.spec_from_file_location(f"latte_fuzz_{plan.name}_{digest}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module   # inspect finds classes through their module
     spec.loader.exec_module(module)
