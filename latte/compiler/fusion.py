@@ -301,8 +301,11 @@ def planner_chain(plans) -> list:
             break
         kind = "pool" if dims[0].lo.coef("%0") else "conv"   # a pool reads its own channel
         row = dims[ROW_DIM]
+        kernel, stride, pad = row.length, _scale(plan), -row.lo.const
+        if pad < 0 or any(n + 2 * pad < kernel for n in src.shape[1:]):
+            break   # not a window the model knows (a row at a fixed offset): stop the model
         chain.append(planner.layer(ens.name, kind, src.shape, out_channels=ens.shape[0],
-                                   kernel=row.length, stride=_scale(plan), pad=-row.lo.const))
+                                   kernel=kernel, stride=stride, pad=pad))
         if chain[-1].out_shape != tuple(ens.shape):   # not a square conv/pool: stop the model
             chain.pop()
             break

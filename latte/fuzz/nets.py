@@ -32,7 +32,9 @@ from latte.stdlib import (
 )
 
 MAX_INPUTS = 40        # longest input vector of a generated neuron
-MAX_NEURONS = 60       # largest generated ensemble
+MAX_NEURONS = 60       # largest generated ensemble of a new shape
+WIDE = 128             # rows this wide are tiled at opt level >= 2 (tiling.MIN_TILE / 2)
+MAX_WIDE = 4096        # largest ensemble that takes a wide source's shape
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,16 @@ def _shape(rng: np.random.Generator) -> tuple[int, ...]:
             return shape
 
 
+def _input_shape(rng: np.random.Generator) -> tuple[int, ...]:
+    """Any small shape, a small image, or a wide image (tiled at opt level >= 2)."""
+    kind = rng.choice(3, p=[0.4, 0.4, 0.2])
+    if kind == 0:
+        return _shape(rng)
+    if kind == 1:
+        return int(rng.integers(1, 4)), int(rng.integers(3, 8)), int(rng.integers(3, 8))
+    return int(rng.integers(1, 3)), int(rng.choice([4, 6, 8])), WIDE
+
+
 def _field_array(rng, f, shape: tuple):
     lead = {"own": shape, "lead": shape[:1], "all": (1,)}[f.share]
     if f.kind == "Batch":
@@ -175,15 +187,21 @@ def _field_array(rng, f, shape: tuple):
     return (values, (lambda *i: i[0]) if f.share == "lead" else (lambda *i: 0))
 
 
+def _copyable(ens) -> bool:
+    """Can a generated ensemble take ``ens``'s shape? Small ones, and wide ones (whose
+    windows get tiled and fused at opt levels 2 and 3)."""
+    return ens.size <= MAX_NEURONS or (ens.shape[-1] >= WIDE and ens.size <= MAX_WIDE)
+
+
 def _neuron(rng, net, name: str, pool: list, derived: float):
     first = pool[int(rng.integers(len(pool)))]
-    if first.size <= MAX_NEURONS and rng.random() < 0.15:
+    if _copyable(first) and rng.random() < 0.15:
         # LRN-like: one-to-one and a window across the first dimension of the same source
         shape, sources = first.shape, [first, first]
         ident = tuple(("dim", j, 0) for j in range(len(shape)))
         conns = [(ident, None), ((("win", 0, 3, 1, 1, 1), *ident[1:]), 0.0)]
     else:
-        shape = first.shape if rng.random() < 0.5 and first.size <= MAX_NEURONS else _shape(rng)
+        shape = first.shape if rng.random() < 0.5 and _copyable(first) else _shape(rng)
         sources = [first]
         for _ in range(int(rng.integers(0, 3))):
             sources.append(first if rng.random() < 0.35 else pool[int(rng.integers(len(pool)))])
@@ -223,9 +241,7 @@ def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.
     case = Case(seed)
     p = f"c{seed}_"
     for i in range(int(rng.integers(1, 3))):
-        shape = _shape(rng) if rng.random() < 0.5 else (int(rng.integers(1, 4)),
-                                                      int(rng.integers(3, 8)), int(rng.integers(3, 8)))
-        case.inputs.append(MemoryDataLayer(net, f"{p}in{i}", shape))
+        case.inputs.append(MemoryDataLayer(net, f"{p}in{i}", _input_shape(rng)))
     ens = list(case.inputs)
     readers = {e.name: 0 for e in ens}
     sealed: set[str] = set()   # sources of in-place activations: nothing else may read them
