@@ -2,9 +2,9 @@
 against level 0 and level 0 against the reference interpreter.
 
 ``pytest tests/test_fuzz.py --fuzz N`` (or ``LATTE_FUZZ=N``) runs cases 0..N-1 (default 300);
-``--fuzz-seed S[,S...]`` reruns the listed cases. Cases of one configuration (batch size,
-threads, level) share a net, so one compile covers many of them; the nets are checked in
-worker processes, one per core (compiling is most of the time).
+``--fuzz-seed S[,S...]`` reruns the listed cases. Each case compiles its own two nets (level 0
+and its optimized level: nets of many cases compile no faster per case, measured), in worker
+processes, one per core (compiling is nearly all of the time).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import pytest
 from helpers import WeightedSumLoss
 
 from latte.errors import LatteError
-from latte.fuzz.harness import check_cases, groups
+from latte.fuzz.harness import check_cases
 from latte.fuzz.invalid import KINDS, invalid_net
 
-GROUP = 1   # cases per net: larger nets compile no faster per case (measured)
+DERIVED = 0.25   # the fraction of generated neurons without backward (the compiler derives it)
 
 
 # cases that found bugs, run whatever --fuzz says (seed: what went wrong)
@@ -42,18 +42,18 @@ def _seeds(config) -> list[int]:
 
 
 def pytest_generate_tests(metafunc):
-    if "cases" in metafunc.fixturenames:
-        found = groups(_seeds(metafunc.config), GROUP)
-        metafunc.parametrize("cases", found, ids=[f"cases{g[0]}+{len(g) - 1}" for g in found])
+    if "seed" in metafunc.fixturenames and "kind" not in metafunc.fixturenames:
+        seeds = _seeds(metafunc.config)
+        metafunc.parametrize("seed", seeds, ids=[f"case{s}" for s in seeds])
 
 
 @pytest.fixture(scope="module")
 def checked(request):
-    """Every group's mismatches, computed in worker processes as the tests ask for them."""
+    """Every case's mismatches, computed in worker processes as the tests ask for them."""
     pool = ProcessPoolExecutor(os.cpu_count() or 1, mp_context=multiprocessing.get_context("spawn"))
-    found = groups(_seeds(request.config), GROUP)
-    futures = {tuple(g): pool.submit(check_cases, g, loss=_loss) for g in found}
-    yield lambda cases: futures[tuple(cases)].result()
+    futures = {s: pool.submit(check_cases, [s], loss=_loss, derived=DERIVED)
+               for s in _seeds(request.config)}
+    yield lambda seed: futures[seed].result()
     pool.shutdown(cancel_futures=True)
 
 
@@ -61,14 +61,11 @@ def _loss(net, name, ens):
     WeightedSumLoss(net, name, ens, seed=zlib.crc32(name.encode()))  # the same in any net
 
 
-def test_random_nets(cases, checked):
-    found = checked(cases)
+def test_random_nets(seed, checked):
+    found = checked(seed)
     if found:
-        seeds = sorted({m.seed for m in found if m.seed is not None})
         lines = [str(m) for m in found[:12]]
-        lines += [f"rerun one case: pytest tests/test_fuzz.py --fuzz-seed {s}" for s in seeds]
-        lines.append("rerun the whole net: pytest tests/test_fuzz.py --fuzz-seed "
-                     + ",".join(map(str, cases)))
+        lines.append(f"rerun: pytest tests/test_fuzz.py --fuzz-seed {seed}")
         pytest.fail("\n".join(lines), pytrace=False)
 
 

@@ -62,15 +62,6 @@ def _compare(out: list, what: str, name: str, got, want, tol: float, against: st
         out.append(Mismatch(case_of(name), f"{what} {name}", against, float(err.max()), scale, idx))
 
 
-def groups(seeds, size: int) -> list[list[int]]:
-    """``seeds`` grouped by :func:`config` (a net holds cases of one config), in chunks of at
-    most ``size`` cases."""
-    by_config: dict[Config, list[int]] = {}
-    for s in seeds:
-        by_config.setdefault(config(s), []).append(s)
-    return [g[i:i + size] for g in by_config.values() for i in range(0, len(g), size)]
-
-
 def build(seeds: list[int], cfg: Config, level: int, loss: Callable | None = None,
           derived: float = 0.0):
     """One net at ``level`` holding every case of ``seeds`` (compiled)."""
