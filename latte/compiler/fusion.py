@@ -302,8 +302,9 @@ def planner_chain(plans) -> list:
         kind = "pool" if dims[0].lo.coef("%0") else "conv"   # a pool reads its own channel
         row = dims[ROW_DIM]
         kernel, stride, pad = row.length, _scale(plan), -row.lo.const
-        if pad < 0 or any(n + 2 * pad < kernel for n in src.shape[1:]):
-            break   # not a window the model knows (a row at a fixed offset): stop the model
+        if pad < 0 or any(n + 2 * pad < kernel for n in src.shape[1:]) or (
+                kind == "pool" and ens.shape[0] != src.shape[0]):
+            break   # not a conv or pool (a row at a fixed offset, a channel window): stop
         chain.append(planner.layer(ens.name, kind, src.shape, out_channels=ens.shape[0],
                                    kernel=kernel, stride=stride, pad=pad))
         if chain[-1].out_shape != tuple(ens.shape):   # not a square conv/pool: stop the model

@@ -219,7 +219,10 @@ def neuron_source(name: str, input_lengths: list[int], rng: np.random.Generator,
         fwd.append(f"self.value = {out} * self.s")
         seed = [f"g_{out} += self.grad * self.s"]
     else:
-        fwd.append(f"self.value += {out}")
+        fwd.append(f"self.value = {out}")
+    if fwd[0] == "a0 = 0.0" and fwd[2].startswith("    a0 += ") and rng.random() < 0.5:
+        # the first sum accumulates in self.value (zero on entry), as stdlib neurons do
+        fwd[:3] = [fwd[1], fwd[2].replace("a0 +=", "self.value +="), "a0 = self.value"]
     bwd = [*t.fwd, *(f"g_{v} = 0.0" for v in t.locals), *seed]
     for block in reversed(t.adj):
         bwd += block
