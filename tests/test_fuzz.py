@@ -36,6 +36,14 @@ FIXED = {
 }
 
 
+# cases whose float32 results legitimately differ from float64 (seed -> why); strict xfails
+PRECISION = {
+    95: "float32 rounds two float64 values of a max-pool window (1e-9 apart) to one value, so "
+        "the tie goes to the first and the gradient to another input (the nudged references "
+        "move both values alike and cannot tell)",
+}
+
+
 def _seeds(config) -> list[int]:
     if config.getoption("--fuzz-seed"):
         return [int(s) for s in config.getoption("--fuzz-seed").split(",")]
@@ -46,8 +54,9 @@ def _seeds(config) -> list[int]:
 
 def pytest_generate_tests(metafunc):
     if "case" in metafunc.fixturenames:
-        seeds = _seeds(metafunc.config)
-        metafunc.parametrize("case", seeds, ids=[f"case{s}" for s in seeds])
+        seeds = [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=PRECISION[s]))
+                 if s in PRECISION else s for s in _seeds(metafunc.config)]
+        metafunc.parametrize("case", seeds, ids=[f"case{s}" for s in _seeds(metafunc.config)])
 
 
 @pytest.fixture(scope="module")
