@@ -22,7 +22,9 @@ from latte import Ensemble, Net, Neuron, add_connections
 from latte.errors import LatteError
 from latte.fuzz.harness import check_cases
 from latte.fuzz.invalid import KINDS, invalid_net
-from latte.stdlib import MemoryDataLayer
+from latte.fuzz.nets import build_case, config
+from latte.reference import Reference
+from latte.stdlib import DropoutEnsemble, MemoryDataLayer
 
 DERIVED = 0.25   # the fraction of generated neurons without backward (the compiler derives it)
 
@@ -124,3 +126,24 @@ def test_fusion_planner_skips_windows_it_cannot_model(shape, mapping):
         nets.append((net, net.value(x).copy(), net.value(e).copy(), net.grad(x).copy()))
     np.testing.assert_allclose(nets[1][2], nets[0][2], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(nets[1][3], nets[0][3], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(0, 40, 4))
+def test_generated_backward_is_exact(seed):
+    """A generated neuron's hand-derived backward gives the gradients the reference's tape
+    derives from its forward alone (the same case built without backward)."""
+    grads = []
+    for derived in (0.0, 1.0):   # the same draws either way: only backward differs
+        net = Net(config(seed).batch, opt_level=0)
+        case = build_case(net, seed, derived=derived)
+        rng = np.random.default_rng(seed)
+        ref = Reference(net, params={f"{e.name}.{f.name}": rng.standard_normal(f.array.shape)
+                                     for e in case.ensembles for f in getattr(e, "params", [])},
+                        fields={f"{e.name}.mask": np.ones((net.batch_size, *e.shape, 1))
+                                for e in case.ensembles if isinstance(e, DropoutEnsemble)})
+        ref.forward({e.name: rng.integers(0, n, (net.batch_size, 1)) for e, n in case.labels}
+                    | {e.name: rng.standard_normal((net.batch_size, *e.shape)) for e in case.inputs})
+        ref.backward()
+        grads.append({**ref.grads, **ref.param_grads})
+    for name, g in grads[0].items():
+        np.testing.assert_allclose(grads[1][name], g, rtol=1e-9, atol=1e-12, err_msg=name)
