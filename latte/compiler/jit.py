@@ -67,11 +67,12 @@ class Target:
             h.update(b"\0")
         return h.hexdigest()[:32]
 
-    def optimize(self, module: llvm.ModuleRef) -> None:
-        pto = llvm.create_pipeline_tuning_options(speed_level=3)
-        pto.loop_vectorization = True
-        pto.slp_vectorization = True
-        pto.loop_unrolling = True
+    def optimize(self, module: llvm.ModuleRef, speed: int = 3) -> None:
+        """The new pass manager at ``speed`` (3: O3 with loop and SLP vectorization)."""
+        pto = llvm.create_pipeline_tuning_options(speed_level=speed)
+        pto.loop_vectorization = speed >= 3
+        pto.slp_vectorization = speed >= 3
+        pto.loop_unrolling = speed >= 3
         pb = llvm.create_pass_builder(self.machine, pto)
         pb.getModulePassManager().run(module, pb)
 
@@ -79,12 +80,13 @@ class Target:
         """JIT ``ir_text``, through the cache keyed by its sha256."""
         return self.library(hashlib.sha256(ir_text.encode()).hexdigest(), lambda: ir_text)
 
-    def library(self, fingerprint: str, build_ir: Callable[[], str]) -> "CodeLibrary":
+    def library(self, fingerprint: str, build_ir: Callable[[], str], speed: int = 3) -> "CodeLibrary":
         """The code of the program whose IR ``build_ir()`` returns and that ``fingerprint``
         identifies (a hash of everything the IR is made from): the cached object if a valid
         one exists (then the IR is never built), else the IR parsed, verified, optimized and
-        compiled, and the object of the optimized module cached."""
-        key = self.cache_key(fingerprint)
+        compiled, and the object of the optimized module cached. ``speed`` is LLVM's
+        optimization level (part of the key)."""
+        key = self.cache_key(f"{fingerprint}/O{speed}")
         obj = cache.load(key)
         if obj is not None:
             # the object carries every symbol: MCJIT needs a module, any will do
@@ -92,7 +94,7 @@ class Target:
         ir_text = build_ir()
         module = self._module(ir_text)
         module.verify()
-        self.optimize(module)
+        self.optimize(module, speed)
         compiled: list[bytes] = []
         engine = self._engine(module, None, compiled.append)
         if len(compiled) == 1:

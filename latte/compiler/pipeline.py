@@ -242,8 +242,11 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     program = c.program
     index = {b: i for i, b in enumerate(program.buffers.buffers.values())}
     segments, threads = program.segments(), program.buffers.threads
+    # opt level 0 is the plain-loop baseline the others are checked against: LLVM's O1
+    # compiles it in half the time, and nothing at that level is meant to be fast
     program.library = target().library(fingerprint(segments, index, threads),
-                                       lambda: _llvm_ir(segments, index, threads))
+                                       lambda: _llvm_ir(segments, index, threads),
+                                       speed=1 if opt_level == 0 else 3)
     return program
 
 
