@@ -73,9 +73,12 @@ def shared_seed(seed: int | None) -> int | None:
 
 
 def abort(code: int = 1) -> None:
-    """Take the whole job down (mpiexec kills every rank)."""
+    """Take the whole job down (mpiexec kills every rank). The message this rank printed
+    first reaches the user through mpiexec's forwarding, which the abort would cut short:
+    give it a moment."""
     c = comm()
     if c is not None:
+        time.sleep(0.5)
         c.Abort(code)
 
 
