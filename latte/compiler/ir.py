@@ -183,6 +183,29 @@ class Select(Expr):
     if_false: Expr
 
 
+def to_affine(e: Expr) -> Affine | None:
+    """``e`` as an affine form over integer loop variables, if it is one."""
+    if isinstance(e, Affine):
+        return e
+    if isinstance(e, Const) and isinstance(e.value, int):
+        return Affine((), e.value)
+    if isinstance(e, Var):
+        return Affine.of(e.name)
+    if isinstance(e, BinOp) and e.op in "+-*":
+        a, b = to_affine(e.lhs), to_affine(e.rhs)
+        if a is None or b is None:
+            return None
+        if e.op == "+":
+            return a + b
+        if e.op == "-":
+            return a - b
+        if not a.terms:
+            return b * a.const
+        if not b.terms:
+            return a * b.const
+    return None
+
+
 # ---------------------------------------------------------------- statements
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from latte.compiler.ir import (
     Select,
     Var,
     map_children,
+    to_affine,
     walk,
 )
 from latte.compiler.mapping import ConnAccess, DimAccess, fit_index_map, sink_var
@@ -69,29 +70,6 @@ def merged_access(access: ConnAccess) -> tuple[tuple[int, ...], tuple[DimAccess,
             extents[j - 1:j + 1] = [extents[j - 1] * extents[j]]
         j -= 1
     return tuple(extents), tuple(dims)
-
-
-def to_affine(e: Expr) -> Affine | None:
-    """``e`` as an affine form over integer loop variables, if it is one."""
-    if isinstance(e, Affine):
-        return e
-    if isinstance(e, Const) and isinstance(e.value, int):
-        return Affine((), e.value)
-    if isinstance(e, Var):
-        return Affine.of(e.name)
-    if isinstance(e, BinOp) and e.op in "+-*":
-        a, b = to_affine(e.lhs), to_affine(e.rhs)
-        if a is None or b is None:
-            return None
-        if e.op == "+":
-            return a + b
-        if e.op == "-":
-            return a - b
-        if not a.terms:
-            return b * a.const
-        if not b.terms:
-            return a * b.const
-    return None
 
 
 def _index(e: Expr) -> Expr:

@@ -51,6 +51,7 @@ from latte.compiler.ir import (
     Var,
     accesses,
     children,
+    to_affine,
     walk,
 )
 from latte.compiler.printer import fmt_expr
@@ -249,7 +250,7 @@ class _Prover:
 def index_range(index: Expr, extent: int, scope: Scope, threads: int = 1) -> tuple | None:
     """None when ``0 <= index < extent`` holds everywhere in ``scope``; else the range the
     index takes there, ``(lo, hi)`` with None for an unbounded end."""
-    aff = _affine(index)
+    aff = to_affine(index)
     if aff is not None and aff.vars <= scope.bound():   # a box: exact without guards
         lo, hi = aff.bounds({v: (a, b) for v, a, b in scope.loops})
         if 0 <= lo and hi < extent:
@@ -268,24 +269,6 @@ def index_range(index: Expr, extent: int, scope: Scope, threads: int = 1) -> tup
         except (isl.Error, IndexError):
             ends.append(None)
     return tuple(ends)
-
-
-def _affine(e: Expr) -> Affine | None:
-    if isinstance(e, Affine):
-        return e
-    if isinstance(e, Const) and isinstance(e.value, int):
-        return Affine((), e.value)
-    if isinstance(e, Var):
-        return Affine.of(e.name)
-    if isinstance(e, BinOp) and e.op in "+-*":
-        a, b = _affine(e.lhs), _affine(e.rhs)
-        if a is None or b is None:
-            return None
-        if e.op in "+-":
-            return a + b if e.op == "+" else a - b
-        if not a.terms or not b.terms:
-            return b * a.const if not a.terms else a * b.const
-    return None
 
 
 def fmt_range(rng: tuple) -> str:
