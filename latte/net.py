@@ -5,16 +5,17 @@ from __future__ import annotations
 import io
 import json
 import os
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from latte import random as latte_random
 from latte.compiler import compile_net
 from latte.compiler.blas import pin_other_blas, set_blas_threads
+from latte.compiler.cache import write_atomic
 from latte.compiler.jit import openmp
 from latte.errors import DataError, LatteError
 from latte.lang import DataEnsemble, Ensemble, Graph, NormalizationEnsemble, Phase
@@ -195,20 +196,7 @@ class Net(Graph):
         arrays |= {f"history/{p.name}": p.history for p in self.params}
         buf = io.BytesIO()
         np.savez(buf, __state__=np.array(json.dumps(self.solver_state)), **arrays)
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".latte-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(buf.getvalue())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_atomic(Path(os.path.abspath(path)), buf.getvalue())
 
     def load(self, path) -> None:
         """Restore what :meth:`save` wrote."""

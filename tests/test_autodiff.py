@@ -16,11 +16,12 @@ import pytest
 from helpers import WeightedSumLoss, check_gradients, fill, set_biases
 
 from latte import ActivationEnsemble, Batch, Ensemble, Net, Neuron, Param, add_connections
-from latte.compiler.autodiff import defines_backward, derive_backward, format_neuron
+from latte.compiler.autodiff import derive_backward, format_neuron
 from latte.compiler.explain import explain_program
 from latte.compiler.frontend import NeuronInfo, parse_method
 from latte.compiler.ir import Gemm, walk
 from latte.errors import NeuronSyntaxError
+from latte.lang import defines_backward
 from latte.stdlib import (
     ConvolutionLayer,
     DropoutLayer,

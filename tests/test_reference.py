@@ -21,7 +21,8 @@ from test_user_neuron import (
 
 from latte import ActivationEnsemble, Batch, Ensemble, Net, Neuron, Param, add_connections
 from latte.errors import MappingError, NeuronRuntimeError, NeuronSyntaxError
-from latte.reference import Reference, has_backward
+from latte.lang import defines_backward
+from latte.reference import Reference
 from latte.stdlib import (
     ConvolutionLayer,
     DropoutLayer,
@@ -255,7 +256,7 @@ def test_user_neurons_match_compiled_level_0(build):
     ref.forward({k: net.value(k) for k in feed})
     ref.backward()
     # until the compiler derives backwards (issue 10 item 5), compare values only there
-    derived = not has_backward(out.neuron_type)
+    derived = not defines_backward(out.neuron_type)
     for e in net.ensembles:
         np.testing.assert_allclose(ref.values[e.name], net.value(e), rtol=1e-5, atol=1e-5,
                                    err_msg=f"value of {e.name}")

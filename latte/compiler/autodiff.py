@@ -59,14 +59,9 @@ from latte.compiler.ir import (
 )
 from latte.compiler.printer import format_ir
 from latte.errors import NeuronSyntaxError
-from latte.lang import ActivationEnsemble, Neuron
+from latte.lang import ActivationEnsemble
 
 ZERO = Const(0.0)
-
-
-def defines_backward(neuron_type: type) -> bool:
-    """Whether a class between ``neuron_type`` and ``Neuron`` defines ``backward``."""
-    return any("backward" in vars(c) for c in neuron_type.__mro__ if c not in (Neuron, object))
 
 
 def derived_backward(ens, info: NeuronInfo) -> Block:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from latte.compiler import Segment
-from latte.compiler.autodiff import defines_backward, derived_backward, format_neuron
+from latte.compiler.autodiff import derived_backward, format_neuron
 from latte.compiler.fusion import describe, planner_chain
 from latte.compiler.ir import Gemm, accesses, walk
 from latte.compiler.passes.tiling import FLOAT_BYTES
 from latte.compiler.planner import brainslug, occam
 from latte.compiler.printer import fmt_stmt, format_ir
 from latte.compiler.synthesis import neuron_info
+from latte.lang import defines_backward
 
 
 def _dims(ens, dims) -> str:

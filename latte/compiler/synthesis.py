@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from latte.compiler.autodiff import defines_backward, derived_backward
+from latte.compiler.autodiff import derived_backward
 from latte.compiler.buffers import BufferPlan
 from latte.compiler.frontend import NeuronInfo, NeuronRef, parse_method
 from latte.compiler.ir import (
@@ -41,7 +41,7 @@ from latte.compiler.ir import (
 from latte.compiler.mapping import ConnAccess, DimAccess, fit_index_map, sink_var
 from latte.compiler.verify import verify_neuron
 from latte.errors import CompileError
-from latte.lang import ActivationEnsemble, FieldKind
+from latte.lang import ActivationEnsemble, FieldKind, defines_backward
 
 
 def neuron_info(ens, accesses: list[ConnAccess]) -> NeuronInfo:

@@ -10,8 +10,18 @@ from latte.lang.ensemble import (
                                  NormalizationEnsemble,
 )
 from latte.lang.graph import Graph, Phase
-from latte.lang.neuron import Batch, Field, FieldKind, FieldSpec, Neuron, Param, field_specs
+from latte.lang.neuron import (
+    Batch,
+    Field,
+    FieldKind,
+    FieldSpec,
+    Neuron,
+    Param,
+    defines_backward,
+    field_specs,
+)
 
 __all__ = ["ActivationEnsemble", "BaseEnsemble", "Batch", "Connection", "DataEnsemble",
            "Ensemble", "Field", "FieldData", "FieldKind", "FieldSpec", "Graph",
-           "NormalizationEnsemble", "Neuron", "Param", "Phase", "add_connections", "field_specs"]
+           "NormalizationEnsemble", "Neuron", "Param", "Phase", "add_connections", "defines_backward",
+           "field_specs"]

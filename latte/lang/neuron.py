@@ -64,6 +64,12 @@ def field_specs(neuron_type: type) -> dict[str, FieldSpec]:
     return specs
 
 
+def defines_backward(neuron_type: type) -> bool:
+    """Whether a class between ``neuron_type`` and ``Neuron`` defines ``backward`` (else the
+    compiler derives it from ``forward``)."""
+    return any("backward" in vars(c) for c in neuron_type.__mro__ if c not in (Neuron, object))
+
+
 class Neuron:
     """Base of every neuron type.
 

@@ -8,6 +8,6 @@ definition of the language and the oracle the compiled code is tested against.
     ref.sgd_step(0.1, momentum=0.9)
 """
 
-from latte.reference.runner import Reference, has_backward
+from latte.reference.runner import Reference
 
-__all__ = ["Reference", "has_backward"]
+__all__ = ["Reference"]

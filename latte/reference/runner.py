@@ -20,20 +20,14 @@ from latte.lang import (
                         DataEnsemble,
                         Ensemble,
                         FieldKind,
-                        Neuron,
                         NormalizationEnsemble,
                         Phase,
+                        defines_backward,
 )
 from latte.lang.ensemble import BaseEnsemble
 from latte.reference import tape
 from latte.reference.frame import Frame, Slot, Table, field_rows, gather_table
 from latte.reference.interp import run
-
-
-def has_backward(neuron_type: type) -> bool:
-    """Whether the neuron type (or a base below ``Neuron``) defines ``backward``."""
-    return any("backward" in vars(c) for c in neuron_type.__mro__
-               if c is not Neuron and issubclass(c, Neuron))
 
 
 def _owner(ens: BaseEnsemble) -> BaseEnsemble:
@@ -201,7 +195,7 @@ class Reference:
         sources = [self._flat(self.values, t.conn.source) for t in tables]
         value = self._flat(self.values, ens)
         start = value.copy() if isinstance(ens, ActivationEnsemble) else 0.0
-        if not has_backward(ens.neuron_type):
+        if not defines_backward(ens.neuron_type):
             self._saved[ens.name] = ([s.copy() for s in sources], start)
         frame = Frame(ens, tables, sources, [None] * len(tables), self._slots(ens), start,
                       self._flat(self.grads, ens), self.batch)
@@ -214,7 +208,7 @@ class Reference:
                  for t in tables]
         grad = self._flat(self.grads, ens)
         slots = self._slots(ens)
-        if has_backward(ens.neuron_type):
+        if defines_backward(ens.neuron_type):
             sources = [self._flat(self.values, t.conn.source) for t in tables]
             value = self._flat(self.values, ens)
             frame = Frame(ens, tables, sources, grads, slots, value, grad.copy(), self.batch)
