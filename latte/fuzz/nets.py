@@ -16,8 +16,9 @@ from typing import Callable
 import numpy as np
 
 from latte import ActivationEnsemble, Ensemble, add_connections
+from latte.fuzz.layers import LAYERS
 from latte.fuzz.neurons import ACTIVATIONS, activation_source, load_class, neuron_source
-from latte.lang import DataEnsemble
+from latte.lang import DataEnsemble, NormalizationEnsemble
 from latte.stdlib import (
     ConvolutionLayer,
     DropoutLayer,
@@ -232,6 +233,33 @@ def _stdlib(rng, net, name: str, kind: str, src):
     return layer(name, net, src, k, stride, pad)
 
 
+def _sources(net, ens) -> list:
+    """The ensembles ``ens`` reads."""
+    if isinstance(ens, NormalizationEnsemble):
+        return list(ens.inputs)
+    if isinstance(ens, ActivationEnsemble):
+        return [ens.source]
+    return [c.source for c in net.connections_into(ens)]
+
+
+def _add_layers(rng, net, prefix: str, ens: list, readers: dict, sealed: set) -> None:
+    """Zero to two layers of :data:`latte.fuzz.layers.LAYERS` over the case's ensembles,
+    drawn from ``rng`` (a stream of their own: the generated layers stay as they were)."""
+    for i in range(int(rng.integers(0, 3))):
+        pool = [e for e in ens if e.name not in sealed]
+        choices = [(layer, e) for layer in LAYERS for e in pool if layer.fits(e)]
+        if not choices:
+            return
+        layer, src = choices[int(rng.integers(len(choices)))]
+        new = layer.build(rng, net, f"{prefix}x{i}{layer.name}", src, pool)
+        for s in _sources(net, new):
+            readers[s.name] += 1
+        if isinstance(new, ActivationEnsemble):
+            sealed.add(new.source.name)
+        readers[new.name] = 0
+        ens.append(new)
+
+
 def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.0) -> Case:
     """Add case ``seed`` to ``net``: inputs, 2-4 layers, and a loss on every ensemble no
     layer reads. ``loss(net, name, ens)`` adds a loss over ``ens`` (default: softmax
@@ -280,6 +308,7 @@ def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.
             readers[s.name] += 1
         readers[new.name] = 0
         ens.append(new)
+    _add_layers(np.random.default_rng([seed, 5]), net, p, ens, readers, sealed)
     sinks = [e for e in ens if readers[e.name] == 0 and e.name not in sealed
              and not isinstance(e, DataEnsemble)]
     for j, e in enumerate(sinks):
