@@ -134,6 +134,9 @@ class Net(Graph):
         self.valid = valid
         if self.profile is not None:
             self.profile.add("(data)", column, time.perf_counter() - start)
+        for ens in self.ensembles:
+            if isinstance(ens, NormalizationEnsemble):
+                ens.phase = phase
         for ens, fields in self._before_forward:
             start = time.perf_counter()
             ens.before_forward(phase, fields)
@@ -188,12 +191,20 @@ class Net(Graph):
         return float(sum(e.loss for e in self.ensembles
                          if isinstance(e, NormalizationEnsemble) and e.is_loss))
 
+    @property
+    def state(self) -> dict[str, np.ndarray]:
+        """Named non-learned arrays that persist across batches (a batch norm's
+        ``"bn1.running_mean"``), live: writing one changes the net."""
+        return {k: v for e in self.ensembles if isinstance(e, NormalizationEnsemble)
+                for k, v in e.state.items()}
+
     # ------------------------------------------------------------ checkpoints
     def save(self, path) -> None:
-        """Write parameters, momentum and solver state to ``path`` atomically."""
+        """Write parameters, momentum, ``state`` and solver state to ``path`` atomically."""
         self._ready()
         arrays = {f"value/{p.name}": p.value for p in self.params}
         arrays |= {f"history/{p.name}": p.history for p in self.params}
+        arrays |= {f"state/{name}": a for name, a in self.state.items()}
         buf = io.BytesIO()
         np.savez(buf, __state__=np.array(json.dumps(self.solver_state)), **arrays)
         write_atomic(Path(os.path.abspath(path)), buf.getvalue())
@@ -213,4 +224,10 @@ class Net(Graph):
                         raise LatteError(f"checkpoint {key!r} has shape {data[key].shape}, "
                                          f"the net expects {arr.shape}")
                     arr[...] = data[key]
+            for name, arr in self.state.items():
+                key = f"state/{name}"
+                if key not in data or data[key].shape != arr.shape:
+                    raise LatteError(f"checkpoint {os.fspath(path)!r} has no {key!r} of shape "
+                                     f"{arr.shape}")
+                arr[...] = data[key]
             self.solver_state = json.loads(str(data["__state__"]))

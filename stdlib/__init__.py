@@ -1,6 +1,7 @@
 """latte's standard library: layers written as neuron types plus mapping functions."""
 
 from latte.stdlib.activations import ReLULayer, ReLUNeuron, SigmoidLayer, SigmoidNeuron, TanhLayer, TanhNeuron
+from latte.stdlib.batchnorm import BatchNormLayer
 from latte.stdlib.convolution import ConvolutionLayer
 from latte.stdlib.data import ArrayDataLayer, HDF5DataLayer, MemoryDataLayer
 from latte.stdlib.dropout import DropoutEnsemble, DropoutLayer, DropoutNeuron
@@ -14,3 +15,4 @@ __all__ = ["AccuracyLayer", "ArrayDataLayer", "ConvolutionLayer", "DropoutEnsemb
            "MeanNeuron", "MeanPoolingLayer", "MemoryDataLayer", "ReLULayer", "ReLUNeuron",
            "SigmoidLayer", "SigmoidNeuron", "SoftmaxLossLayer", "TanhLayer", "TanhNeuron",
            "WeightedNeuron", "xavier"]
+__all__ += ["BatchNormLayer"]

@@ -137,7 +137,10 @@ class NormalizationEnsemble(BaseEnsemble):
     """Array operations over whole ensembles (softmax loss, batch statistics).
 
     Subclasses implement :meth:`forward` and :meth:`backward` on numpy arrays shaped
-    ``(batch, *shape)``. A loss sets ``self.loss`` in ``forward``.
+    ``(batch, *shape)``. A loss sets ``self.loss`` in ``forward``. ``phase`` is the phase
+    of the pass being run (set before each forward). ``state`` holds named arrays that
+    persist across batches (a batch norm's running statistics): ``net.state`` collects them
+    and ``net.save`` / ``net.load`` keep them.
     """
 
     is_loss = False
@@ -150,6 +153,8 @@ class NormalizationEnsemble(BaseEnsemble):
         self.inputs = list(inputs)
         super().__init__(net, name, shape)
         self.loss = 0.0
+        self.phase = Phase.TRAIN
+        self.state: dict[str, np.ndarray] = {}
 
     def forward(self, inputs: list[np.ndarray], value: np.ndarray, valid: int) -> None:
         """Fill ``value`` from ``inputs``; only the first ``valid`` batch items are real."""

@@ -109,6 +109,8 @@ class Reference:
         """Run every ensemble's forward in net order; ``inputs`` holds a ``(batch, *shape)``
         array for every data ensemble."""
         self.phase = phase
+        for norm in self._norms.values():
+            norm.phase = phase
         data = [e for e in self.net.ensembles if isinstance(e, DataEnsemble)]
         unknown = set(inputs) - {e.name for e in data}
         if unknown:
