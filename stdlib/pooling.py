@@ -1,4 +1,5 @@
-"""Max and mean pooling: each output neuron reads a window of one input channel.
+"""Max, mean and global average pooling: each output neuron reads a window of one input
+channel.
 
 Channel ``c`` of the output reads channel ``c`` of the input only (the mapping's first entry
 is an int, not a range), windows of ``kh x kw`` at a stride, and padding outside the input.
@@ -11,6 +12,7 @@ import numpy as np
 from latte.errors import ShapeError
 from latte.lang import Batch, Ensemble, Field, Neuron, add_connections
 from latte.stdlib.convolution import output_size, pair
+from latte.stdlib.init import shared_scalar
 
 # what max pooling reads outside the input: below every finite float32, so never the max
 MAX_PADDING = float(np.finfo(np.float32).min)
@@ -79,5 +81,15 @@ def MeanPoolingLayer(name: str, net, input_ens, kernel, stride=None, pad=0) -> E
     """Mean over ``kernel`` windows of each channel of a ``(C, H, W)`` input; ``stride``
     defaults to the kernel. Padding reads as zero and counts in the divisor ``kh*kw``."""
     return _pool(name, net, input_ens, kernel, stride, pad, MeanNeuron, 0.0,
-                 lambda shape, n: {"scale": (np.full((1, 1), 1.0 / n, np.float32),
-                                             lambda c, y, x: 0)})
+                 lambda shape, n: {"scale": shared_scalar(1.0 / n)})
+
+
+def GlobalAveragePoolingLayer(name: str, net, input_ens) -> Ensemble:
+    """The mean of each channel of a ``(C, H, W)`` input: output ``(C,)``."""
+    if len(input_ens.shape) != 3:
+        raise ShapeError(f"layer {name!r}: global average pooling needs a (C, H, W) input, "
+                         f"{input_ens.name!r} has shape {input_ens.shape}")
+    c, h, w = input_ens.shape
+    gap = Ensemble(net, name, MeanNeuron, (c,), scale=shared_scalar(1.0 / (h * w)))
+    add_connections(net, input_ens, gap, lambda c: (c, range(h), range(w)))
+    return gap
