@@ -96,3 +96,14 @@ def fill_labels(net, ens, n_classes: int, rng: np.random.Generator) -> np.ndarra
     y = rng.integers(0, n_classes, net.batch_size)
     net.value(ens)[:, 0] = y
     return y
+
+
+def assert_scaled_close(actual, expected, rtol: float, what: str) -> None:
+    """``max |actual - expected| <= rtol * max |expected|``: a tolerance relative to the
+    array's scale, for float32 results of long computations checked against float64 (where
+    entries near zero carry the absolute error of the largest ones)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    scale = max(float(np.abs(expected).max(initial=0.0)), 1e-30)
+    err = float(np.abs(actual - expected).max(initial=0.0))
+    assert err <= rtol * scale, f"{what}: max error {err:.3g} is {err / scale:.3g} of the scale {scale:.3g}"
