@@ -190,25 +190,6 @@ def test_missing_checkpoint(tmp_path):
         net.load(path)
 
 
-def test_in_place_activation_with_another_reader():
-    net = Net(2)
-    x = MemoryDataLayer(net, "x", (4,))
-    fc = FullyConnectedLayer("fc", net, x, 3)
-    ReLULayer("relu", net, fc)
-    FullyConnectedLayer("other", net, fc, 2)
-    with pytest.raises(MappingError, match=r"'relu' works in place on 'fc', but \['other'\] also read"):
-        net.init()
-
-
-def test_chained_in_place_activations():
-    net = Net(2)
-    x = MemoryDataLayer(net, "x", (4,))
-    relu = ReLULayer("relu", net, FullyConnectedLayer("fc", net, x, 3))
-    TanhLayer("tanh", net, relu)
-    with pytest.raises(MappingError, match="'tanh' works in place on 'relu', itself an in-place"):
-        net.init()
-
-
 def test_out_of_range_index_in_neuron_body():
     class Shifted(Neuron):
         w: Param

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from latte.errors import MappingError
 from latte.lang import ActivationEnsemble, NormalizationEnsemble
+from latte.lang.inplace import give_copies
 
 
 def check_graph(net) -> None:
-    """Raise :class:`MappingError` for recurrent connections, cycles, and in-place
-    activations whose source has other readers."""
+    """Raise :class:`MappingError` for recurrent connections and cycles; then give each
+    activation that may not work in place a copy to work on (:mod:`latte.lang.inplace`)."""
     _check_recurrence(net)
-    _check_activations(net)
+    give_copies(net)
 
 
 def _sources(net, ens) -> list:
@@ -53,24 +54,3 @@ def _check_recurrence(net) -> None:
                 state[src] = 1
                 stack.append((src, iter(_sources(net, src))))
                 path.append(src)
-
-
-def _check_activations(net) -> None:
-    """An in-place activation must be the only reader of its source's values."""
-    for ens in net.ensembles:
-        if not isinstance(ens, ActivationEnsemble):
-            continue
-        src = ens.source
-        if isinstance(src, ActivationEnsemble):
-            raise MappingError(f"activation {ens.name!r} works in place on {src.name!r}, itself an "
-                               "in-place activation; chained in-place activations would back-"
-                               "propagate through overwritten values")
-        readers = [c.sink.name for c in net.connections if c.source is src]
-        readers += [e.name for e in net.ensembles if isinstance(e, NormalizationEnsemble)
-                    and any(i is src for i in e.inputs)]
-        readers += [e.name for e in net.ensembles if isinstance(e, ActivationEnsemble)
-                    and e.source is src and e is not ens]
-        if readers:
-            raise MappingError(f"activation {ens.name!r} works in place on {src.name!r}, but "
-                               f"{readers} also read {src.name!r}; connect them to {ens.name!r} "
-                               "instead or use a layer that is not in place")

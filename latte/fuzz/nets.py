@@ -246,14 +246,14 @@ def _add_layers(rng, net, prefix: str, ens: list, readers: dict, sealed: set) ->
     """Zero to two layers of :data:`latte.fuzz.layers.LAYERS` over the case's ensembles,
     drawn from ``rng`` (a stream of their own: the generated layers stay as they were)."""
     for i in range(int(rng.integers(0, 3))):
-        pool = [e for e in ens if e.name not in sealed]
+        pool = list(ens)   # an activation on a read source gets a copy (latte.lang.inplace)
         choices = [(layer, e) for layer in LAYERS for e in pool if layer.fits(e)]
         if not choices:
             return
         layer, src = choices[int(rng.integers(len(choices)))]
         new = layer.build(rng, net, f"{prefix}x{i}{layer.name}", src, pool)
-        for s in _sources(net, new):
-            readers[s.name] += 1
+        for s in _sources(net, new):   # a layer may add helpers (softmax's log-sum-exp)
+            readers[s.name] = readers.get(s.name, 0) + 1
         if isinstance(new, ActivationEnsemble):
             sealed.add(new.source.name)
         readers[new.name] = 0

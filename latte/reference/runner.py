@@ -25,6 +25,7 @@ from latte.lang import (
                         defines_backward,
 )
 from latte.lang.ensemble import BaseEnsemble
+from latte.lang.inplace import give_copies
 from latte.reference import tape
 from latte.reference.frame import Frame, Slot, Table, field_rows, gather_table
 from latte.reference.interp import run
@@ -53,6 +54,7 @@ class Reference:
     """
 
     def __init__(self, net, params: dict | None = None, fields: dict | None = None):
+        give_copies(net)   # as the compiler does: activations that may not work in place
         self.net, self.batch = net, net.batch_size
         self.phase = Phase.TRAIN
         self.loss = 0.0
