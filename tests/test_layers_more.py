@@ -13,6 +13,7 @@ from latte.errors import ShapeError
 from latte.stdlib import (
     AddLayer,
     ConcatLayer,
+    ConvolutionLayer,
     ELULayer,
     GlobalAveragePoolingLayer,
     LeakyReLULayer,
@@ -191,3 +192,29 @@ def test_in_place_activations_reject_what_they_cannot_invert():
         ELULayer("act", net, x, alpha=-1.0)
     with pytest.raises(ValueError, match="'lrn'.*size"):
         LRNLayer("lrn", net, x, size=0)
+
+
+def _inception_block(net, x):
+    """Two convolutions joined along channels, LRN, PReLU, a residual add, an in-place
+    leaky ReLU, global average pooling and softmax, over rows wide enough to be tiled and
+    fused at opt level 3."""
+    a = ConvolutionLayer("a", net, x[0], 4, 3, pad=1)
+    b = ConvolutionLayer("b", net, x[0], 2, 1)
+    cat = ConcatLayer("cat", net, [a, b])
+    lrn = LRNLayer("lrn", net, cat, size=3, alpha=0.5)
+    add = AddLayer("add", net, PReLULayer("pr", net, lrn), cat)
+    return SoftmaxLayer("soft", net, GlobalAveragePoolingLayer("gap", net, LeakyReLULayer("act", net, add)))
+
+
+def _inception_block_torch(x, p):
+    def conv(name, k, pad):
+        w = p[f"{name}.weights"]
+        return F.conv2d(x[0], w.reshape(len(w), -1, k, k), p[f"{name}.bias"].reshape(-1), padding=pad)
+    cat = torch.cat([conv("a", 3, 1), conv("b", 1, 0)], dim=1)
+    pr = F.prelu(F.local_response_norm(cat, 3, 0.5), p["pr.slope"].reshape(-1))
+    return F.softmax(F.leaky_relu(pr + cat, 0.01).mean(dim=(2, 3)), dim=1)
+
+
+@levels
+def test_inception_block(opt_level, threads):
+    check(_inception_block, _inception_block_torch, [(3, 4, 128)], opt_level, threads)
