@@ -31,7 +31,7 @@ BATCH = 4
 LEVELS = [(0, 1), (3, 2)]   # (opt level, threads)
 
 
-def run_latte(build, shapes, opt_level: int, threads: int, seed: int = 0):
+def run_latte(build, shapes, opt_level: int, threads: int, scale: float = 1.0, seed: int = 0):
     """Build ``build(net, inputs)`` over memory inputs of ``shapes`` with a WeightedSumLoss
     on top; give every parameter random values; run forward and backward. Returns the
     inputs, the output, the loss weights, input gradients and ``{name: (value, grad)}``."""
@@ -41,7 +41,7 @@ def run_latte(build, shapes, opt_level: int, threads: int, seed: int = 0):
     out = build(net, ins)
     loss = WeightedSumLoss(net, "loss", out)
     net.init()
-    xs = [fill(net, e, rng).astype(np.float64) for e in ins]
+    xs = [fill(net, e, rng, scale).astype(np.float64) for e in ins]
     for p in net.params:
         p.value[...] = rng.uniform(-0.5, 1.0, p.value.shape).astype(np.float32)
     params = {p.name: p.value.astype(np.float64) for p in net.params}
@@ -59,9 +59,10 @@ def close(got, want, what: str) -> None:
                                atol=1e-4 * max(np.abs(want).max(), 1e-3), err_msg=what)
 
 
-def check(build, torch_fn, shapes, opt_level, threads) -> None:
-    """``torch_fn(xs, params)`` is the float64 torch forward over tensors requiring grad."""
-    xs, y, w, grads, params, pgrads = run_latte(build, shapes, opt_level, threads)
+def check(build, torch_fn, shapes, opt_level, threads, scale: float = 1.0) -> None:
+    """``torch_fn(xs, params)`` is the float64 torch forward over tensors requiring grad;
+    the inputs are normal with standard deviation ``scale``."""
+    xs, y, w, grads, params, pgrads = run_latte(build, shapes, opt_level, threads, scale)
     tx = [torch.tensor(x, requires_grad=True) for x in xs]
     tp = {n: torch.tensor(v, requires_grad=True) for n, v in params.items()}
     ty = torch_fn(tx, tp)
@@ -121,6 +122,13 @@ def test_global_average_pooling(opt_level, threads, shape):
 def test_softmax(opt_level, threads, shape):
     check(lambda net, x: SoftmaxLayer("soft", net, x[0]),
           lambda x, p: F.softmax(x[0].reshape(BATCH, -1), dim=1), [shape], opt_level, threads)
+
+
+@levels
+def test_softmax_large_logits(opt_level, threads):
+    """Logits up to several hundred: exp overflows float32 unless the maximum comes off."""
+    check(lambda net, x: SoftmaxLayer("soft", net, x[0]),
+          lambda x, p: F.softmax(x[0], dim=1), [(12,)], opt_level, threads, scale=200.0)
 
 
 @levels
