@@ -96,9 +96,12 @@ def test_non_affine_mapping_falls_back_to_a_table():
     assert acc.dims is None and acc.relation is None and acc.in_bounds
     np.testing.assert_array_equal(acc.table, [[(i * i) % n] for i in range(n)])
     assert acc.length == 1 and acc.shared_dims() == ()
-    acc = analyze_connection(_conn((2, 3), (4,), lambda i: (i % 2, range(3))))
+    acc = analyze_connection(_conn((3, 3), (4,), lambda i: ((i * i) % 3, range(3))))
     assert acc.dims is None
-    np.testing.assert_array_equal(acc.table, [[3 * (i % 2) + j for j in range(3)] for i in range(4)])
+    np.testing.assert_array_equal(acc.table, [[3 * ((i * i) % 3) + j for j in range(3)]
+                                              for i in range(4)])
+    acc = analyze_connection(_conn((2, 3), (4,), lambda i: (i % 2, range(3))))
+    assert acc.quotients() == {0: 2}   # i % 2 == i - 2*(i // 2): quasi-affine, no table
     acc = analyze_connection(_conn((3,), (2, 2), lambda a, b: ((a * b) % 3,)))
     assert acc.shared_dims() == ()
     acc = analyze_connection(_conn((3,), (2, 3), lambda a, b: ((b * b) % 3,)))

@@ -46,6 +46,7 @@ from latte.compiler.passes.tiling import (
     ensemble_chain,
     heights,
     is_batch_loop,
+    strip_mined,
     tile_boxes,
     tile_loop,
 )
@@ -101,8 +102,9 @@ def fusion_groups(net, plans, budget: int, threads: int = 1) -> list[Group]:
 
 def _tileable(plan) -> bool:
     shape = plan.ensemble.shape
-    return len(shape) == 3 and shape[ROW_DIM] > 1 and any(
-        is_batch_loop(s) for s in plan.kernels["forward"].body.stmts)
+    nests = [s for s in plan.kernels["forward"].body.stmts if is_batch_loop(s)]
+    return len(shape) == 3 and shape[ROW_DIM] > 1 and bool(nests) and not any(
+        strip_mined(lp) and lp.axis.dim == ROW_DIM for s in nests for lp in ensemble_chain(s))
 
 
 def _consumes(net, producer, plan) -> bool:

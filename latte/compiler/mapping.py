@@ -1,13 +1,17 @@
 """Mapping analysis: mapping functions -> affine access relations (paper section 5.2).
 
 A mapping is an ordinary Python callable. Per source dimension we fit ``lo + step * t``
-(``0 <= t < length``) with ``lo`` affine in the sink index, proven at every sink neuron,
+(``0 <= t < length``) with ``lo`` affine in the sink index, or quasi-affine: a sink index
+``d`` may also appear floor-divided by a constant ``q`` dividing its extent (``o // 4``, the
+channel group of a grouped convolution; synthesis strip-mines ``d`` into ``(d // q, d % q)``
+and every index is affine again). The fit is proven at every sink neuron,
 never sampled: a large ensemble's mapping is called once on symbolic indices
 (:mod:`latte.compiler.symbolic`), which gives its result at every neuron at once; a mapping
 that cannot be traced, and every mapping of a small ensemble, is called at every neuron and
 the fit compared with all results (vectorized). A mapping that is not affine falls back to
-an explicit gather table. isl decides whether the accessed footprint stays inside the
-source. Fields' index maps are fitted the same way.
+an explicit gather table, as does one whose sink dimension would need two different
+divisors. isl decides whether the accessed footprint stays inside the source (it reads
+``floor(d/q)``). Fields' index maps are fitted the same way, affine only.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import islpy as isl
 import numpy as np
 
 from latte.compiler.ir import Affine
-from latte.compiler.symbolic import Sym, SymRange, Untraceable, trace
+from latte.compiler.symbolic import Sym, SymRange, Untraceable, quot_var, split_var, trace
 from latte.errors import MappingError, ShapeError
 
 _EXHAUSTIVE = 4096   # ensembles up to this size: call the mapping at every neuron, always
@@ -30,6 +34,33 @@ _CHECKS = 64         # random neurons where a real call must agree with the trac
 def sink_var(d: int) -> str:
     """Canonical name of sink dimension ``d`` in fitted affine forms."""
     return f"%{d}"
+
+
+def sink_dim(var: str) -> tuple[int, int]:
+    """``(d, q)`` of a fitted form's variable: sink dimension ``d`` floor-divided by ``q``."""
+    name, q = split_var(var)
+    return int(name[1:]), q
+
+
+def quotients(forms) -> dict[int, int] | None:
+    """The divisor of each sink dimension the affine ``forms`` floor-divide (None when one
+    dimension is divided by two different constants: no strip-mining makes both affine)."""
+    out: dict[int, int] = {}
+    for form in forms:
+        for var in form.vars:
+            d, q = sink_dim(var)
+            if q > 1 and out.setdefault(d, q) != q:
+                return None
+    return out
+
+
+def value_at(form: Affine, idx: tuple[int, ...]) -> int:
+    """A fitted form's value at sink neuron ``idx``."""
+    out = form.const
+    for var, c in form.terms:
+        d, q = sink_dim(var)
+        out += c * (idx[d] // q)
+    return out
 
 
 @dataclass(frozen=True)
@@ -70,7 +101,11 @@ class ConnAccess:
             return tuple(d for d in range(ndim) if t.shape[d] == 1
                          or (t == t.take([0], axis=d)).all())
         return tuple(d for d in range(ndim)
-                     if all(a.lo.coef(sink_var(d)) == 0 for a in self.dims))
+                     if all(sink_dim(v)[0] != d for a in self.dims for v in a.lo.vars))
+
+    def quotients(self) -> dict[int, int]:
+        """Sink dimension -> the constant the access floor-divides it by."""
+        return {} if self.dims is None else quotients(a.lo for a in self.dims)
 
 
 def _points(shape: tuple[int, ...]):
@@ -87,17 +122,31 @@ def _checks(shape: tuple[int, ...], seed: int = 0) -> list[tuple[int, ...]]:
     return sorted(pts)
 
 
-def _fit_all(values: np.ndarray, shape: tuple[int, ...]) -> Affine | None:
+def _fit_all(values: np.ndarray, shape: tuple[int, ...], quasi: bool = False) -> Affine | None:
     """The affine form ``c0 + sum c_d idx_d`` equal to ``values`` (row-major over ``shape``)
-    at every index, or None: fitted from the origin and unit steps, compared everywhere."""
+    at every index, or None: fitted from the origin and unit steps, compared everywhere.
+    With ``quasi``, a dimension may also contribute ``b_d * (idx_d // q_d)``, ``q_d`` the
+    first step along ``d`` where the linear term alone stops fitting (it must divide the
+    extent)."""
     grid = values.reshape(shape)
     c0 = int(grid[(0,) * len(shape)])
     coeffs, pred = {}, np.full(shape, c0, dtype=np.int64)
     for d, extent in enumerate(shape):
-        if extent > 1:
-            c = int(grid[tuple(int(i == d) for i in range(len(shape)))]) - c0
-            coeffs[sink_var(d)] = c
-            pred += c * np.arange(extent).reshape([-1 if i == d else 1 for i in range(len(shape))])
+        if extent == 1:
+            continue
+        line = grid[tuple(slice(None) if i == d else 0 for i in range(len(shape)))] - c0
+        steps = np.arange(extent)
+        c = int(line[1])
+        coeffs[sink_var(d)] = c
+        fitted = c * steps
+        off = np.flatnonzero(line != fitted)
+        if off.size:
+            q = int(off[0])
+            if not quasi or extent % q:
+                return None
+            coeffs[quot_var(sink_var(d), q)] = int(line[q]) - c * q
+            fitted = fitted + coeffs[quot_var(sink_var(d), q)] * (steps // q)
+        pred += fitted.reshape([-1 if i == d else 1 for i in range(len(shape))])
     return Affine.build(coeffs, c0) if np.array_equal(grid, pred) else None
 
 
@@ -128,9 +177,20 @@ def _entries(conn, idx) -> tuple:
 
 def _ranges(dims: tuple[DimAccess, ...], idx: tuple[int, ...]) -> tuple[range, ...]:
     """What fitted ``dims`` select for sink neuron ``idx``."""
-    at = {sink_var(d): (i, i) for d, i in enumerate(idx)}
-    return tuple(range(a.lo.bounds(at)[0], a.lo.bounds(at)[0] + a.step * a.length, a.step)
+    return tuple(range(value_at(a.lo, idx), value_at(a.lo, idx) + a.step * a.length, a.step)
                  for a in dims)
+
+
+def _divisible(form: Affine, shape: tuple[int, ...]) -> Affine | None:
+    """A traced form with its quotients checked: ``d // q`` is 0 when ``q`` reaches past the
+    extent (dropped); otherwise ``q`` must divide the extent (None if not)."""
+    for var in form.vars:
+        d, q = sink_dim(var)
+        if q >= shape[d]:
+            form = form.substitute(var, Affine())
+        elif shape[d] % q:
+            return None
+    return form
 
 
 def _traced_dims(conn) -> tuple[DimAccess, ...] | None:
@@ -145,11 +205,17 @@ def _traced_dims(conn) -> tuple[DimAccess, ...] | None:
     dims = []
     for e in out:
         if isinstance(e, SymRange):
-            dims.append(DimAccess(e.lo, e.step, e.length))
+            lo = _divisible(e.lo, shape)
+            if lo is None:
+                return None
+            dims.append(DimAccess(lo, e.step, e.length))
         elif isinstance(e, range):
             dims.append(DimAccess(Affine((), e.start), e.step, len(e)))
         elif isinstance(e, (Sym, int, np.integer)) and not isinstance(e, bool):
-            dims.append(DimAccess(e.aff if isinstance(e, Sym) else Affine((), int(e)), 1, 1))
+            lo = _divisible(e.aff, shape) if isinstance(e, Sym) else Affine((), int(e))
+            if lo is None:
+                return None
+            dims.append(DimAccess(lo, 1, 1))
         else:
             return None
     if len(dims) != len(conn.source.shape):
@@ -170,7 +236,7 @@ def _evaluated_dims(conn) -> tuple[DimAccess, ...] | None:
         starts, steps, lengths = rows[:, j, 0], rows[:, j, 1], rows[:, j, 2]
         if (steps != steps[0]).any() or (lengths != lengths[0]).any():
             return None
-        lo = _fit_all(starts, shape)
+        lo = _fit_all(starts, shape, quasi=True)
         if lo is None:
             return None
         dims.append(DimAccess(lo, int(steps[0]), int(lengths[0])))
@@ -183,7 +249,10 @@ def _relation(sink_shape, src_shape, dims: tuple[DimAccess, ...]) -> isl.Map:
     t = [f"t{j}" for j in range(len(src_shape))]
 
     def aff(a: Affine) -> str:
-        terms = [f"{c}*d{v[1:]}" for v, c in a.terms]
+        terms = []
+        for v, c in a.terms:
+            dim, q = sink_dim(v)
+            terms.append(f"{c}*d{dim}" if q == 1 else f"{c}*floor(d{dim}/{q})")
         return " + ".join(terms + [str(a.const)])
 
     cons = [f"0 <= {x} < {n}" for x, n in zip(d, sink_shape)]
@@ -205,7 +274,7 @@ def analyze_connection(conn) -> ConnAccess:
     dims = _traced_dims(conn) if int(np.prod(sink_shape)) > _EXHAUSTIVE else None
     if dims is None:
         dims = _evaluated_dims(conn)
-    if dims is None:
+    if dims is None or quotients(a.lo for a in dims) is None:
         return _gather(conn)
     if any(a.length == 0 for a in dims):
         raise MappingError(f"{where(conn.mapping)}{conn.describe()}: mapping selects no source "
@@ -223,6 +292,22 @@ def analyze_connection(conn) -> ConnAccess:
                            f"{conn.source.name!r} "
                            f"(shape {src_shape}); pass padding= to add_connections to allow it")
     return ConnAccess(conn, dims, None, in_bounds, rel)
+
+
+def analyze_connections(conns) -> list[ConnAccess]:
+    """:func:`analyze_connection` for every connection into one ensemble; where two of them
+    floor-divide a sink dimension by different constants (synthesis can strip-mine it only
+    one way), the later ones read through gather tables."""
+    out, chosen = [], {}
+    for conn in conns:
+        access = analyze_connection(conn)
+        q = access.quotients()
+        if any(chosen.get(d, n) != n for d, n in q.items()):
+            access = _gather(conn)
+        else:
+            chosen.update(q)
+        out.append(access)
+    return out
 
 
 def _gather(conn) -> ConnAccess:
@@ -311,6 +396,8 @@ def _traced_index_map(ens, field) -> tuple[Affine, ...] | None:
             isinstance(x, (Sym, int, np.integer)) and not isinstance(x, bool) for x in out):
         return None
     fits = tuple(x.aff if isinstance(x, Sym) else Affine((), int(x)) for x in out)
+    if any(sink_dim(v)[1] > 1 for f in fits for v in f.vars):   # a quotient: not affine
+        return None
     for p in _checks(ens.shape):
         at = {sink_var(d): (i, i) for d, i in enumerate(p)}
         if _index_map_at(ens, field, p) != tuple(f.bounds(at)[0] for f in fits):

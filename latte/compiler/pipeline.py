@@ -25,7 +25,7 @@ from latte.compiler.graph_checks import check_graph
 from latte.compiler.ir import Block, Kernel, Ref, walk
 from latte.compiler.jit import target
 from latte.compiler.machine import cache_sizes
-from latte.compiler.mapping import analyze_connection
+from latte.compiler.mapping import analyze_connections
 from latte.compiler.passes import (
     copy_windows,
     distribute_loops,
@@ -86,7 +86,7 @@ def _analyze(c: Compilation) -> None:
         c.bufs.value(ens), c.bufs.grad(ens)
     c.dead = frozenset(c.bufs.grad(e) for e in c.net.ensembles
                        if isinstance(e, DataEnsemble) and not getattr(e, "needs_grad", False))
-    c.plans = [EnsemblePlan(e, [analyze_connection(k) for k in c.net.connections_into(e)])
+    c.plans = [EnsemblePlan(e, analyze_connections(c.net.connections_into(e)))
                for e in c.net.ensembles if isinstance(e, Ensemble)]
 
 

@@ -4,8 +4,10 @@ A mapping such as ``lambda c, y, x: (range(C), range(2*y - 1, 2*y + 2), x)`` is 
 with :class:`Sym` arguments (affine forms of the sink index) and ``range`` replaced in its
 globals by :func:`sym_range`. Straight-line arithmetic (``+ - *`` by integers) on them gives
 the mapping's result at every sink index at once, which proves an affine fit for every
-neuron, however large the ensemble. Anything else (a comparison or branch on the index,
-``//``, indexing a table, converting to ``int``) raises :class:`Untraceable`, and the caller
+neuron, however large the ensemble. A sink index floor-divided by a positive constant
+(``o // 4``, a group of channels) becomes a variable of its own, :func:`quot_var`, which makes
+the result quasi-affine. Anything else (a comparison or branch on the index, ``//`` of a
+sum, indexing a table, converting to ``int``) raises :class:`Untraceable`, and the caller
 falls back to evaluating the mapping at every neuron.
 """
 
@@ -26,6 +28,17 @@ class Untraceable(Exception):
 
 def _refuse(*_args, **_kwargs):
     raise Untraceable
+
+
+def quot_var(name: str, q: int) -> str:
+    """The variable standing for ``floor(name / q)``."""
+    return f"{name}//{q}"
+
+
+def split_var(var: str) -> tuple[str, int]:
+    """``(name, q)`` of a variable made by :func:`quot_var` (``q = 1`` for a plain one)."""
+    name, _, q = var.partition("//")
+    return name, int(q) if q else 1
 
 
 class Sym:
@@ -58,6 +71,16 @@ class Sym:
 
     __rmul__ = __mul__
 
+    def __floordiv__(self, other):
+        """``index // q`` of a plain sink index (not a sum, not already a quotient)."""
+        if not (isinstance(other, (int, np.integer)) and not isinstance(other, bool) and other > 0
+                and self.aff.const == 0 and len(self.aff.terms) == 1):
+            raise Untraceable
+        (var, coef), = self.aff.terms
+        if coef != 1 or split_var(var)[1] != 1:
+            raise Untraceable
+        return self if other == 1 else Sym(Affine.of(quot_var(var, int(other))))
+
     def __neg__(self):
         return Sym(self.aff * -1)
 
@@ -65,7 +88,7 @@ class Sym:
         return self
 
     __bool__ = __index__ = __int__ = __float__ = __eq__ = __ne__ = _refuse
-    __lt__ = __le__ = __gt__ = __ge__ = __floordiv__ = __rfloordiv__ = _refuse
+    __lt__ = __le__ = __gt__ = __ge__ = __rfloordiv__ = _refuse
     __mod__ = __rmod__ = __truediv__ = __rtruediv__ = __pow__ = __abs__ = _refuse
     __array__ = __iter__ = __len__ = __format__ = _refuse
 

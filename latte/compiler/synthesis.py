@@ -5,6 +5,9 @@ Paper sections 5.1-5.2. Neuron fields become SoA buffer refs: ``self.value`` is
 ``self.inputs[k][i]`` reads the source buffer through the fitted access relation, so a
 shared input (FC) is read in place, without a copy. A loop over a whole input vector is
 delinearized into one loop per (merged) source dimension, which keeps every index affine.
+A sink dimension a connection floor-divides by ``q`` (a grouped convolution's ``o // q``) is
+strip-mined: its loop becomes ``for d_g in range(n/q): for d_i in range(q)`` with ``d = q*d_g
++ d_i`` and ``d // q = d_g``, so that quasi-affine accesses are affine in the loop variables.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from latte.compiler.ir import (
     to_affine,
     walk,
 )
-from latte.compiler.mapping import ConnAccess, DimAccess, fit_index_map, sink_var
+from latte.compiler.mapping import ConnAccess, DimAccess, fit_index_map, sink_dim, sink_var
+from latte.compiler.symbolic import quot_var
 from latte.compiler.verify import verify_neuron
 from latte.errors import CompileError
 from latte.lang import ActivationEnsemble, FieldKind, defines_backward
@@ -77,12 +81,10 @@ def _index(e: Expr) -> Expr:
 
 
 def _bounds(lo: Affine, step: int, length: int, shape: tuple[int, ...]) -> tuple[int, int]:
-    """Min and max of ``lo + step * t`` over the sink box and ``0 <= t < length``."""
-    lo_min = lo_max = lo.const
-    for v, c in lo.terms:
-        span = c * (shape[int(v[1:])] - 1)
-        lo_min += min(0, span)
-        lo_max += max(0, span)
+    """Min and max of ``lo + step * t`` over the sink box and ``0 <= t < length`` (a
+    quotient ``d // q`` runs over ``0 .. (n-1) // q``)."""
+    box = {v: (0, (shape[sink_dim(v)[0]] - 1) // sink_dim(v)[1]) for v in lo.vars}
+    lo_min, lo_max = lo.bounds(box)
     span = step * (length - 1)
     return lo_min + min(0, span), lo_max + max(0, span)
 
@@ -100,8 +102,24 @@ class _Synth:
         self.ens, self.accesses, self.bufs, self.names = ens, accesses, bufs, names
         self.batch = bufs.batch_size
         self.n = names("_n")
-        self.d = [names(f"_d{i}") for i in range(len(ens.shape))]
-        self.sink = {sink_var(i): Affine.of(v) for i, v in enumerate(self.d)}
+        strips: dict[int, int] = {}
+        for a in accesses:
+            strips.update(a.quotients())   # analysis left one divisor per dimension
+        # per ensemble dimension its loops: (var, extent, meta), outermost first
+        self.loops: list[list[tuple[str, int, tuple]]] = []
+        self.sink: dict[str, Affine] = {}
+        for i, extent in enumerate(ens.shape):
+            q = strips.get(i, 1)
+            if q == 1:
+                v = names(f"_d{i}")
+                self.loops.append([(v, extent, ())])
+                self.sink[sink_var(i)] = Affine.of(v)
+                continue
+            g, r = names(f"_d{i}g"), names(f"_d{i}i")
+            self.loops.append([(g, extent // q, (("strip", q),)), (r, q, (("strip", q),))])
+            self.sink[sink_var(i)] = Affine.build({g: q, r: 1})
+            self.sink[quot_var(sink_var(i), q)] = Affine.of(g)
+        self.own = tuple(self.sink[sink_var(i)] for i in range(len(ens.shape)))
         self.merged = [merged_access(a) if a.dims is not None else None for a in accesses]
         self.delin: dict[str, _Delin] = {}
         self.index_maps = {name: fit_index_map(ens, f) for name, f in ens.fields.items()}
@@ -113,10 +131,11 @@ class _Synth:
 
     # ------------------------------------------------------------ nests
     def neuron_nest(self, body: Block) -> Loop:
-        """``for n in batch: for d0...: body``."""
-        for i in reversed(range(len(self.d))):
-            body = Block((Loop(self.d[i], 0, self.ens.shape[i], body,
-                               axis=Axis(self.ens, i, self.ens.name)),))
+        """``for n in batch: for d0...: body`` (a strip-mined dimension has two loops)."""
+        for i in reversed(range(len(self.loops))):
+            for var, extent, meta in reversed(self.loops[i]):
+                body = Block((Loop(var, 0, extent, body, axis=Axis(self.ens, i, self.ens.name),
+                                   meta=meta),))
         return Loop(self.n, 0, self.batch, body, axis=Axis(self.ens, -1, self.ens.name))
 
     def body(self, block: Block) -> Block:
@@ -198,7 +217,7 @@ class _Synth:
         return map_children(e, self.expr)
 
     def ref(self, r: NeuronRef) -> tuple[Ref, Expr | None]:
-        own = (Affine.of(self.n), *(Affine.of(v) for v in self.d))
+        own = (Affine.of(self.n), *self.own)
         view = (self.batch, *self.ens.shape)
         if r.kind == "value":
             return Ref(self.bufs.value(self.ens), own, view), None
@@ -273,8 +292,8 @@ class _Synth:
     def _gather_ref(self, access: ConnAccess, buf, i: Expr) -> tuple[Ref, Expr | None]:
         table = self.bufs.table(access.conn, access.table.shape)
         sink_flat = Affine()
-        for v, extent in zip(self.d, self.ens.shape):
-            sink_flat = sink_flat * extent + Affine.of(v)
+        for pos, extent in zip(self.own, self.ens.shape):
+            sink_flat = sink_flat * extent + pos
         offset = Load(Ref(table, (sink_flat, _index(i)), table.shape))
         ref = Ref(buf, (Affine.of(self.n), offset), (self.batch, access.conn.source.size))
         # with padding the table may hold -1 (its analysis said where): guard every load,

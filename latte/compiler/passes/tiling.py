@@ -61,7 +61,7 @@ def tile_loops(kernel: Kernel, budget: int, forced: tuple[int, int] | None = Non
         for i, s in enumerate(stmts):
             if is_batch_loop(s) and tile_loop(s) is None:
                 lp = next((c for c in ensemble_chain(s)[1:] if c.axis.dim == dim), None)
-                if lp is not None and lp.start == 0 and lp.extent % size == 0:
+                if lp is not None and lp.start == 0 and lp.extent % size == 0 and not strip_mined(lp):
                     stmts[i] = _split(s, lp, size, (("tile_size", size), ("scale", 1), ("halo", 0)))
     return replace(kernel, body=Block(tuple(stmts)))
 
@@ -76,6 +76,12 @@ def tile_loop(s) -> Loop | None:
 
 def is_batch_loop(s) -> bool:
     return isinstance(s, Loop) and s.axis is not None and s.axis.dim < 0
+
+
+def strip_mined(lp: Loop) -> bool:
+    """``lp`` is half of an ensemble dimension synthesis strip-mined (``d = q*d_g + d_i``): its
+    iterations are not the dimension's rows, so tiles of it are not row tiles."""
+    return any(key == "strip" for key, _ in lp.meta)
 
 
 def ensemble_chain(nest: Loop) -> list[Loop]:
@@ -103,7 +109,8 @@ def _tile(nest: Loop, budget: int, forced: tuple[int, int] | None) -> Loop:
     chain = ensemble_chain(nest)
     for lp in chain[1:]:
         comps = windowed_components(nest, lp.var)
-        if comps and lp.extent > 1 and lp.start == 0 and (forced is None or lp.axis.dim == forced[0]):
+        if (comps and lp.extent > 1 and lp.start == 0 and not strip_mined(lp)
+                and (forced is None or lp.axis.dim == forced[0])):
             break
     else:
         return nest
