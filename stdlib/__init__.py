@@ -21,7 +21,12 @@ from latte.stdlib.dropout import DropoutEnsemble, DropoutLayer, DropoutNeuron
 from latte.stdlib.fully_connected import FullyConnectedLayer, WeightedNeuron
 from latte.stdlib.init import xavier
 from latte.stdlib.joins import AddLayer, AddNeuron, ConcatLayer, MulLayer, MulNeuron
-from latte.stdlib.losses import AccuracyLayer, SoftmaxLossLayer
+from latte.stdlib.losses import (
+    AccuracyLayer,
+    EuclideanLossLayer,
+    SigmoidCrossEntropyLossLayer,
+    SoftmaxLossLayer,
+)
 from latte.stdlib.normalization import LogSumExpNeuron, LRNLayer, LRNNeuron, SoftmaxLayer, SoftmaxNeuron
 from latte.stdlib.pooling import (
     GlobalAveragePoolingLayer,
@@ -30,6 +35,7 @@ from latte.stdlib.pooling import (
     MeanNeuron,
     MeanPoolingLayer,
 )
+from latte.stdlib.transforms import Mirror, Normalize, RandomCrop, Transform
 
 __all__ = ["AccuracyLayer", "ArrayDataLayer", "ConvolutionLayer", "DropoutEnsemble", "DropoutLayer",
            "DropoutNeuron", "FullyConnectedLayer", "HDF5DataLayer", "MaxNeuron", "MaxPoolingLayer",
@@ -40,3 +46,5 @@ __all__ += ["AddLayer", "AddNeuron", "ConcatLayer", "ELULayer", "ELUNeuron", "Gl
             "LeakyReLULayer", "LeakyReLUNeuron", "LogSumExpNeuron", "LRNLayer", "LRNNeuron", "MulLayer",
             "MulNeuron", "PReLULayer", "PReLUNeuron", "SoftmaxLayer", "SoftmaxNeuron"]
 __all__ += ["BatchNormLayer"]
+__all__ += ["EuclideanLossLayer", "Mirror", "Normalize", "RandomCrop", "SigmoidCrossEntropyLossLayer",
+            "Transform"]

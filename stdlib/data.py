@@ -1,102 +1,53 @@
 """Data layers: ensembles whose values come from arrays, HDF5 files or the user.
 
-Data layers move data; they compute nothing. A source fills its ensembles before each
-forward pass: training batches follow a (seeded) permutation, reshuffled every epoch; test
-batches walk the set in order, and the last, partial batch reports how many items are real.
-Under MPI with N ranks a global batch is N consecutive batches of the order; rank r loads
-the r-th (every rank draws the same permutation from the shared seed).
+Data layers move data; they compute nothing. Their sources (:mod:`latte.stdlib.sources`)
+plan each batch, read it ahead on a thread and transform it
+(:mod:`latte.stdlib.transforms`). Labels are class indices (``y`` shaped ``(N,)`` or
+``(N, 1)``: a label ensemble of shape ``(1,)``) or targets of any shape (``y`` shaped
+``(N, *shape)``: a label ensemble of that shape, for regression or multi-label losses).
+Bad data is an error naming the array and the sample before training starts: a nan or an
+inf in an in-memory ``X`` or ``y`` (HDF5 data is checked batch by batch as it is read), a
+test set whose samples have another shape, and (checked by the loss layer that reads the
+labels, when it is built) a label outside what the loss accepts.
 """
 
 from __future__ import annotations
 
-import math
 import os
 
 import numpy as np
 
 from latte.errors import DataError, ShapeError
 from latte.lang import DataEnsemble, Phase
-from latte.runtime import distributed
+from latte.stdlib.sources import ArraySource, Rows, first_bad
 
 
-class ArraySource:
-    """Feeds a data and a label ensemble from in-memory (or HDF5) arrays."""
-
-    def __init__(self, net, train, test, shuffle: bool, what: str):
-        self.sets = {Phase.TRAIN: _check_pair(train, what + " train")}
-        if test is not None:
-            self.sets[Phase.TEST] = _check_pair(test, what + " test")
-        self.shuffle = shuffle
-        self.rng = net.rng
-        self.cursor = {p: 0 for p in Phase}
-        self.order = {p: np.arange(len(s[1])) for p, s in self.sets.items()}
-        self.epoch = {p: 0 for p in Phase}
-        self.batch = net.batch_size
-        self.ranks, self.rank = distributed.world_size(), distributed.rank()
-        self.data = self.label = None
-        if shuffle:
-            self.order[Phase.TRAIN] = self.rng.permutation(len(self.sets[Phase.TRAIN][1]))
-
-    def num_samples(self, phase: Phase) -> int:
-        return len(self.sets[phase][1]) if phase in self.sets else 0
-
-    def batches_per_epoch(self, phase: Phase) -> int:
-        n, b = self.num_samples(phase), self.batch * self.ranks
-        return max(1, n // b) if phase is Phase.TRAIN else math.ceil(n / b)
-
-    def reset(self, phase: Phase) -> None:
-        self.cursor[phase] = 0
-
-    def _indices(self, phase: Phase) -> tuple[np.ndarray, int]:
-        n, b = self.num_samples(phase), self.batch * self.ranks   # the global batch
-        start = self.cursor[phase]
-        if phase is Phase.TRAIN and start + b > n:  # new epoch
-            self.epoch[phase] += 1
-            if self.shuffle:
-                self.order[phase] = self.rng.permutation(n)
-            start = 0
-        self.cursor[phase] = 0 if start + b >= n and phase is Phase.TEST else start + b
-        start += self.rank * self.batch   # this rank's shard
-        take = np.arange(start, start + self.batch) % n
-        valid = max(0, min(self.batch, n - start))
-        return self.order[phase][take], valid
-
-    def load(self, net, phase: Phase) -> int:
-        if phase not in self.sets:
-            raise DataError(f"data layer {self.data.name!r} has no {phase.value} set")
-        idx, valid = self._indices(phase)
-        x, y = self.sets[phase]
-        if isinstance(x, np.ndarray):
-            net.value(self.data)[...] = x[idx].reshape(net.value(self.data).shape)
-            net.value(self.label)[:, 0] = y[idx]
-        else:  # h5py datasets want increasing indices
-            order = np.argsort(idx, kind="stable")
-            uniq, inverse = np.unique(idx[order], return_inverse=True)
-            rows = np.empty(len(idx), np.int64)
-            rows[order] = inverse
-            net.value(self.data)[...] = np.asarray(x[uniq], np.float32)[rows].reshape(
-                net.value(self.data).shape)
-            net.value(self.label)[:, 0] = np.asarray(y[uniq])[rows]
-        return valid
-
-
-def _check_pair(pair, what: str):
+def _array_pair(pair, what: str) -> tuple[Rows, Rows]:
+    """``(X, y)`` numpy arrays (or array-likes) checked and wrapped as :class:`Rows`."""
     try:
         x, y = pair
     except (TypeError, ValueError):
         raise ShapeError(f"{what} data must be an (X, y) pair") from None
-    if not hasattr(x, "shape"):
-        x = np.asarray(x, np.float32)
-    elif isinstance(x, np.ndarray) and x.dtype != np.float32:
-        x = x.astype(np.float32)
-    y = np.asarray(y).reshape(-1) if isinstance(y, (list, np.ndarray)) else y
-    if len(x.shape) < 2:
+    x = np.asarray(x, np.float32)
+    y = np.asarray(y)
+    if y.ndim > 1 and y.dtype.kind == "f":
+        y = y.astype(np.float32)
+    if x.ndim < 2:
         raise ShapeError(f"{what}: X must be (N, *sample_shape), got shape {x.shape}")
-    if x.shape[0] != y.shape[0]:
-        raise ShapeError(f"{what}: X has {x.shape[0]} samples but y has {y.shape[0]} labels")
+    if y.ndim < 1 or x.shape[0] != y.shape[0]:
+        raise ShapeError(f"{what}: X has {x.shape[0]} samples but y has "
+                         f"{y.shape[0] if y.ndim else 0} labels")
     if x.shape[0] == 0:
         raise ShapeError(f"{what}: the set is empty")
-    return x, y
+    for name, v in (("X", x), ("y", y)):
+        bad = first_bad(v)
+        if bad is not None:
+            raise DataError(f"{what} {name}, sample {bad}: a value is not finite (nan or inf)")
+    return Rows([x], [f"{what} X"]), Rows([y], [f"{what} y"])
+
+
+def _label_shape(y: Rows) -> tuple[int, ...]:
+    return y.shape[1:] if len(y.shape) > 1 else (1,)
 
 
 def _unique_name(net, base: str) -> str:
@@ -108,20 +59,39 @@ def _unique_name(net, base: str) -> str:
     return name
 
 
-def _pair_layer(net, source: ArraySource, shape) -> tuple[DataEnsemble, DataEnsemble]:
+def _layer(net, sets: dict, what: str, *, shuffle: bool, transform, prefetch: bool,
+           checked: bool) -> tuple[DataEnsemble, DataEnsemble]:
+    """The data and label ensembles of a source over ``sets`` (phase -> (X, y) rows)."""
+    x, y = sets[Phase.TRAIN]
+    if Phase.TEST in sets:
+        tx, ty = sets[Phase.TEST]
+        for kind, a, b in (("samples", x, tx), ("labels", y, ty)):
+            if _label_shape(a) != _label_shape(b):
+                raise ShapeError(f"{what}: test {kind} have shape {_label_shape(b)}, train "
+                                 f"{kind} {_label_shape(a)}")
+    shape = x.shape[1:] if transform is None else transform.shape(x.shape[1:])
+    source = ArraySource(net, sets, shuffle=shuffle, transform=transform, checked=checked,
+                         prefetch=prefetch)
     source.data = DataEnsemble(net, _unique_name(net, "data"), shape, source)
-    source.label = DataEnsemble(net, _unique_name(net, "label"), (1,), source)
+    source.label = DataEnsemble(net, _unique_name(net, "label"), _label_shape(y), source)
     return source.data, source.label
 
 
-def ArrayDataLayer(net, train, test=None, shuffle: bool = True):
-    """Data and label ensembles fed from ``train = (X, y)`` (and ``test``) numpy arrays."""
-    source = ArraySource(net, train, test, shuffle, "ArrayDataLayer")
-    x_train = source.sets[Phase.TRAIN][0]
-    if Phase.TEST in source.sets and source.sets[Phase.TEST][0].shape[1:] != x_train.shape[1:]:
-        raise ShapeError(f"ArrayDataLayer: test samples have shape "
-                         f"{source.sets[Phase.TEST][0].shape[1:]}, train samples {x_train.shape[1:]}")
-    return _pair_layer(net, source, x_train.shape[1:])
+def ArrayDataLayer(net, train, test=None, shuffle: bool = True, *, transform=None,
+                   prefetch: bool = True):
+    """Data and label ensembles fed from ``train = (X, y)`` (and ``test``) numpy arrays.
+
+    ``X`` is ``(N, *sample_shape)``; ``y`` holds class indices ``(N,)`` or targets
+    ``(N, *shape)``. ``transform`` (a :class:`~latte.stdlib.transforms.Transform` or one
+    step) is applied to every batch; the data ensemble has its output shape. With
+    ``prefetch`` the next batch is read on a background thread while the current one
+    computes (the batches are the same without it).
+    """
+    sets = {Phase.TRAIN: _array_pair(train, "ArrayDataLayer train")}
+    if test is not None:
+        sets[Phase.TEST] = _array_pair(test, "ArrayDataLayer test")
+    return _layer(net, sets, "ArrayDataLayer", shuffle=shuffle, transform=transform,
+                  prefetch=prefetch, checked=True)
 
 
 def _open_hdf5(path):
@@ -137,15 +107,40 @@ def _open_hdf5(path):
     for key in ("data", "label"):
         if key not in f:
             raise DataError(f"HDF5DataLayer: {path!r} has no dataset '/{key}'")
-    return f["data"], f["label"]
+    x, y = f["data"], f["label"]
+    if len(x.shape) < 2 or len(y.shape) < 1 or x.shape[0] != y.shape[0] or x.shape[0] == 0:
+        raise DataError(f"HDF5DataLayer: {path!r}: /data {x.shape} and /label {y.shape} must "
+                        "hold the same number (> 0) of samples, /data as (N, *sample_shape)")
+    return x, y
 
 
-def HDF5DataLayer(net, train_path, test_path=None, shuffle: bool = True):
-    """Data and label ensembles fed from HDF5 files with datasets ``/data`` and ``/label``."""
-    train = _open_hdf5(train_path)
-    test = _open_hdf5(test_path) if test_path is not None else None
-    source = ArraySource(net, train, test, shuffle, "HDF5DataLayer")
-    return _pair_layer(net, source, train[0].shape[1:])
+def _hdf5_pair(paths) -> tuple[Rows, Rows]:
+    """The files ``paths`` (one path or a list), concatenated in order."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    if not paths:
+        raise DataError("HDF5DataLayer: an empty list of files")
+    pairs = [_open_hdf5(p) for p in paths]
+    names = [os.fspath(p) for p in paths]
+    for (x, y), name in zip(pairs[1:], names[1:]):
+        for key, a, b in (("data", x, pairs[0][0]), ("label", y, pairs[0][1])):
+            if a.shape[1:] != b.shape[1:]:
+                raise DataError(f"HDF5DataLayer: {name!r} /{key} has samples of shape "
+                                f"{a.shape[1:]}, {names[0]!r} of shape {b.shape[1:]}")
+    return (Rows([x for x, _ in pairs], [f"{n} /data" for n in names]),
+            Rows([y for _, y in pairs], [f"{n} /label" for n in names]))
+
+
+def HDF5DataLayer(net, train_path, test_path=None, shuffle: bool = True, *, transform=None,
+                  prefetch: bool = True):
+    """Data and label ensembles fed from HDF5 files with datasets ``/data`` and ``/label``
+    (sample-major; ``/label`` as for :func:`ArrayDataLayer`, Caffe's ``(N, 1)`` included).
+    Each path may be a list of files, concatenated in order. Each batch is checked for nan
+    and inf as it is read (the files may not fit in memory)."""
+    sets = {Phase.TRAIN: _hdf5_pair(train_path)}
+    if test_path is not None:
+        sets[Phase.TEST] = _hdf5_pair(test_path)
+    return _layer(net, sets, "HDF5DataLayer", shuffle=shuffle, transform=transform,
+                  prefetch=prefetch, checked=False)
 
 
 class MemorySource:

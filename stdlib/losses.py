@@ -1,12 +1,26 @@
-"""Softmax cross-entropy loss and accuracy: normalization ensembles over whole arrays."""
+"""Losses (softmax cross-entropy, Euclidean, sigmoid cross-entropy) and accuracy:
+normalization ensembles over whole arrays.
+
+A loss averages over the real items of the batch (``valid``; a partial last batch has
+fewer) of every rank under MPI. A loss reading a data layer's labels has the data source
+check them when it is built (:meth:`~latte.stdlib.sources.ArraySource.check_labels`), so a
+bad label anywhere in the train or test set stops the script before training.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 from latte.errors import ShapeError
-from latte.lang import NormalizationEnsemble
+from latte.lang import DataEnsemble, NormalizationEnsemble
 from latte.runtime import distributed
+
+
+def _check_source(label, who: str, **accepts) -> None:
+    """Have ``label``'s data source check every label it holds (when it can)."""
+    check = getattr(getattr(label, "source", None), "check_labels", None)
+    if check is not None:
+        check(label, who, **accepts)
 
 
 def _labels(label: np.ndarray, n_classes: int, who: str, valid: int) -> np.ndarray:
@@ -28,6 +42,7 @@ class SoftmaxLoss(NormalizationEnsemble):
         if label.size != 1:
             raise ShapeError(f"loss {name!r}: label ensemble {label.name!r} must have shape (1,)")
         super().__init__(net, name, [input_ens, label], (1,))
+        _check_source(label, f"loss {name!r}", classes=input_ens.size)
         self.prob = None
         self.counts = np.zeros(2)   # (correct arg-max predictions, items), all ranks
         self.scale = 1.0   # 1 / number of items the loss averages over (all ranks)
@@ -67,6 +82,7 @@ class Accuracy(NormalizationEnsemble):
 
     def __init__(self, name: str, net, input_ens, label):
         super().__init__(net, name, [input_ens, label], (1,))
+        _check_source(label, f"accuracy {name!r}", classes=input_ens.size)
         self.accuracy = 0.0
         self.counts = np.zeros(2)
 
@@ -78,6 +94,91 @@ class Accuracy(NormalizationEnsemble):
         value[:valid, 0] = hit
         self.counts = distributed.allreduce_sum(np.array([hit.sum(), valid], np.float64))
         self.accuracy = float(self.counts[0] / max(1.0, self.counts[1]))
+
+
+class _TargetLoss(NormalizationEnsemble):
+    """A loss of ``input`` against a ``target`` ensemble of the same size, summed over the
+    elements and averaged over the batch. Subclasses give the per-element loss and its
+    derivatives; the gradient reaches the target too unless it is a data layer's labels."""
+
+    is_loss = True
+    bounds: tuple[float, float] | None = None   # the targets the loss accepts
+
+    def __init__(self, name: str, net, input_ens, target):
+        if target.size != input_ens.size:
+            raise ShapeError(f"loss {name!r}: target {target.name!r} {target.shape} and input "
+                             f"{input_ens.name!r} {input_ens.shape} differ in size")
+        super().__init__(net, name, [input_ens, target], (1,))
+        if self.bounds is not None:
+            _check_source(target, f"loss {name!r}", bounds=self.bounds)
+        self.to_target = not (isinstance(target, DataEnsemble)
+                              and not getattr(target, "needs_grad", False))
+        self.scale = 1.0   # 1 / number of items the loss averages over (all ranks)
+
+    def _pair(self, inputs, valid: int) -> tuple[np.ndarray, np.ndarray]:
+        x, t = (a.reshape(a.shape[0], -1)[:valid].astype(np.float64) for a in inputs)
+        if self.bounds is not None:
+            bad = (t < self.bounds[0]) | (t > self.bounds[1])
+            if bad.any():
+                i, j = np.unravel_index(int(np.argmax(bad)), bad.shape)
+                raise ShapeError(f"loss {self.name!r}: target {t[i, j]:g} of batch item {i} "
+                                 f"is not in [{self.bounds[0]:g}, {self.bounds[1]:g}]")
+        return x, t
+
+    def forward(self, inputs, value, valid):
+        per_item = self.elementwise(*self._pair(inputs, valid)).sum(axis=1)
+        value[...] = 0.0
+        value[:valid, 0] = per_item
+        total = distributed.allreduce_sum(np.array([per_item.sum(), valid], np.float64))
+        self.scale = 1.0 / max(1.0, total[1])
+        self.loss = float(total[0] * self.scale)
+
+    def backward(self, inputs, grad_inputs, value, grad, valid):
+        x, t = self._pair(inputs, valid)
+        dx, dt = self.derivatives(x, t)
+        for k, d in ((0, dx), (1, dt if self.to_target else None)):
+            if d is not None:
+                g = grad_inputs[k].reshape(grad_inputs[k].shape[0], -1)
+                g[:valid] += (d * self.scale).astype(np.float32)
+
+    def elementwise(self, x: np.ndarray, t: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def derivatives(self, x: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+
+class EuclideanLoss(_TargetLoss):
+    """``sum((input - target)**2) / (2 * batch)`` (Caffe's EuclideanLoss)."""
+
+    def elementwise(self, x, t):
+        return 0.5 * (x - t) ** 2
+
+    def derivatives(self, x, t):
+        return x - t, t - x
+
+
+class SigmoidCrossEntropyLoss(_TargetLoss):
+    """The binary cross-entropy of ``sigmoid(input)`` against targets in [0, 1], summed over
+    the elements and divided by the batch; computed from the logits as
+    ``max(x, 0) - x*t + log(1 + exp(-|x|))``, finite for any ``x``."""
+
+    bounds = (0.0, 1.0)
+
+    def elementwise(self, x, t):
+        return np.maximum(x, 0.0) - x * t + np.log1p(np.exp(-np.abs(x)))
+
+    def derivatives(self, x, t):
+        sigmoid = np.exp(-np.logaddexp(0.0, -x))
+        return sigmoid - t, -x
+
+
+def EuclideanLossLayer(name: str, net, input_ens, target) -> EuclideanLoss:
+    return EuclideanLoss(name, net, input_ens, target)
+
+
+def SigmoidCrossEntropyLossLayer(name: str, net, input_ens, target) -> SigmoidCrossEntropyLoss:
+    return SigmoidCrossEntropyLoss(name, net, input_ens, target)
 
 
 def SoftmaxLossLayer(name: str, net, input_ens, label) -> SoftmaxLoss:

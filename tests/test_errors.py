@@ -124,11 +124,13 @@ def test_nan_loss_during_training_names_the_iteration():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((12, 3)).astype(np.float32)
     y = rng.integers(0, 2, 12)
-    x[9, 1] = np.nan  # in the third batch of four
+    x[9] = 3e38  # finite, in the third batch of four: its logits overflow to inf
     net = Net(4, seed=0)
     data, label = ArrayDataLayer(net, (x, y), shuffle=False)
     fc = FullyConnectedLayer("fc", net, data, 2)
     SoftmaxLossLayer("loss", net, fc, label)
+    net.init()
+    net.params[0].value[...] = 1.0
     params = SolverParameters(lr_policy=LRPolicy.Fixed(0.01), max_epoch=2)
     with pytest.raises(TrainingError) as err:
         solve(SGD(params), net)
