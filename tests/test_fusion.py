@@ -31,6 +31,7 @@ from latte.stdlib import (
     MeanPoolingLayer,
     MemoryDataLayer,
     ReLULayer,
+    TanhLayer,
     SoftmaxLossLayer,
 )
 
@@ -474,3 +475,48 @@ def test_pool_after_conv_keeps_its_argmax(monkeypatch):
     choice = net.program.groups[0].choices["pool"]
     assert not choice.recompute and choice.recompute_bytes > choice.keep_bytes
     assert _argmax_writes(net) == {"forward": {"pool.argmax"}, "backward": set()}
+
+
+# ---------------------------------------------------------------- DAGs
+@_net(batch=2)
+def residual_block(net):
+    """conv -> relu -> conv -> add(shortcut) -> relu, the shortcut being the block's input:
+    the input has two readers (it ends the group before it), the add reads a side input
+    complete before the group."""
+    from latte.stdlib import AddLayer
+    x = MemoryDataLayer(net, "x", (8, 32, 16))
+    c1 = ConvolutionLayer("c1", net, x, 8, 3, 1, 1)
+    r1 = ReLULayer("r1", net, c1)
+    c2 = ConvolutionLayer("c2", net, r1, 8, 3, 1, 1)
+    add = AddLayer("add", net, c2, x)
+    out = ReLULayer("out", net, add)
+    WeightedSumLoss(net, "loss", out)
+    return x, None
+
+
+@_net(batch=2)
+def shared_producer(net):
+    """A conv read by a pool and by an activation that must copy: its group must end at
+    the conv, and both branches must see its values."""
+    x = MemoryDataLayer(net, "x", (4, 32, 16))
+    c1 = ConvolutionLayer("c1", net, x, 6, 3, 1, 1)
+    pool = MaxPoolingLayer("pool", net, c1, 2)
+    act = TanhLayer("tanh", net, c1)
+    WeightedSumLoss(net, "l1", pool)
+    WeightedSumLoss(net, "l2", act, seed=5)
+    return x, None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_residual_block_fuses_the_add_and_equals_unfused(threads):
+    net = _compare(residual_block, threads)
+    groups = [g.name for g in net.program.groups]
+    assert any("add" in g and "c2" in g for g in groups), groups
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_producer_with_two_readers_ends_its_group(threads):
+    net = _compare(shared_producer, threads)
+    for g in net.program.groups:
+        names = [p.ensemble.name for p in g.plans]
+        assert "c1" not in names[:-1], names   # nothing fuses after c1

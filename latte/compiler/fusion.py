@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from latte.compiler import planner
+from latte.compiler.buffers import storage_owner
 from latte.compiler.ir import (
     Affine,
     Block,
@@ -89,10 +90,11 @@ def fusion_groups(net, plans, budget: int, threads: int = 1) -> list[Group]:
     max_lag = 1 if net.batch_size >= threads else 0
     layers = planner_chain(plans)
     spans = planner.occam(layers, budget, batch=net.batch_size).groups if len(layers) > 1 else []
-    cuts = {plans[j + 1].ensemble for _, j in spans if j + 1 < len(plans)}
+    # the planner models the leading chain only: where it ends is not a cut it chose
+    cuts = {plans[j + 1].ensemble for _, j in spans if j + 1 < len(layers)}
     groups, chain = [], []
     for plan in plans:
-        if chain and plan.ensemble not in cuts and _consumes(net, chain[-1], plan):
+        if chain and plan.ensemble not in cuts and _consumes(net, chain, plan):
             chain.append(plan)
             continue
         groups += _fit(chain, budget, max_lag)
@@ -107,23 +109,35 @@ def _tileable(plan) -> bool:
         strip_mined(lp) and lp.axis.dim == ROW_DIM for s in nests for lp in ensemble_chain(s))
 
 
-def _consumes(net, producer, plan) -> bool:
-    """``plan``'s ensemble reads only ``producer``'s, and nothing else reads it."""
-    ens, prod = plan.ensemble, producer.ensemble
+def _consumes(net, chain: list, plan) -> bool:
+    """``plan``'s ensemble reads the last member of ``chain`` through one connection, and
+    nothing else reads that member. Its other inputs (a residual's shortcut, statistics)
+    must come from outside the chain: they are complete before the group runs."""
+    ens, prod = plan.ensemble, chain[-1].ensemble
     if isinstance(ens, ActivationEnsemble):   # in place: reads its source's own tile
         return ens.source is prod and _tileable(plan)
-    if not _tileable(plan) or len(plan.accesses) != 1 or plan.accesses[0].dims is None:
+    if not _tileable(plan) or any(a.dims is None for a in plan.accesses):
+        return False
+    mine = [a for a in plan.accesses if a.conn.source is prod]
+    members = {storage_owner(p.ensemble) for p in chain}
+    if len(mine) != 1 or any(storage_owner(a.conn.source) in members
+                             for a in plan.accesses if a is not mine[0]):
         return False
     readers = [c for c in net.connections if c.source is prod]
     host = [e for e in net.ensembles if isinstance(e, NormalizationEnsemble) and prod in e.inputs]
     return len(readers) == 1 and readers[0].sink is ens and not host
 
 
-def _scale(plan) -> int:
+def _from(plan, prod):
+    """``plan``'s access of ``prod``'s values."""
+    return next(a for a in plan.accesses if a.conn.source is prod)
+
+
+def _scale(plan, prod) -> int:
     """Producer rows per consumer row (the stride along the row dimension)."""
     if isinstance(plan.ensemble, ActivationEnsemble):
         return 1
-    return abs(plan.accesses[0].dims[ROW_DIM].lo.coef(f"%{ROW_DIM}")) or 1
+    return abs(_from(plan, prod).dims[ROW_DIM].lo.coef(f"%{ROW_DIM}")) or 1
 
 
 def _fit(chain: list, budget: int, max_lag: int) -> list[Group]:
@@ -144,16 +158,17 @@ def _fit(chain: list, budget: int, max_lag: int) -> list[Group]:
 
 def _rows(chain: list, budget: int, max_lag: int) -> tuple[dict, int, tuple] | None:
     last = chain[-1].ensemble.shape[ROW_DIM]
-    scale = math.prod(_scale(p) for p in chain[1:])
+    pairs = list(zip(chain, chain[1:]))   # (producer, consumer)
+    scale = math.prod(_scale(p, q.ensemble) for q, p in pairs)
     first = chain[0].ensemble.shape
     for r in heights(last, lambda r: r * scale * math.prod(first[ROW_DIM + 1:]) >= MIN_TILE):
         tiles, sizes = last // r, [r]
-        for plan in reversed(chain[1:]):
-            sizes.insert(0, sizes[0] * _scale(plan))
+        for prod, plan in reversed(pairs):
+            sizes.insert(0, sizes[0] * _scale(plan, prod.ensemble))
         if any(p.ensemble.shape[ROW_DIM] != s * tiles for p, s in zip(chain, sizes)):
             continue
-        links = tuple(_link(p, s, s_prev, tiles, max_lag)
-                      for p, s, s_prev in zip(chain[1:], sizes[1:], sizes))
+        links = tuple(_link(p, q.ensemble, s, s_prev, tiles, max_lag)
+                      for (q, p), s, s_prev in zip(pairs, sizes[1:], sizes))
         if None in links:
             continue
         boxes: dict = {}
@@ -170,14 +185,14 @@ def _rows(chain: list, budget: int, max_lag: int) -> tuple[dict, int, tuple] | N
     return None
 
 
-def _link(plan, rows: int, producer_rows: int, tiles: int, max_lag: int) -> int | None:
+def _link(plan, prod, rows: int, producer_rows: int, tiles: int, max_lag: int) -> int | None:
     """0 if tile T of ``plan`` reads only its producer's tile T; 1 if it also reads rows of
     the neighbouring tiles (a halo no taller than a tile: the schedule is then skewed by one
     tile, and nothing is recomputed); None otherwise."""
     if isinstance(plan.ensemble, ActivationEnsemble):
         return 0
     for lag in range(max_lag + 1):
-        if tile_local(plan.accesses[0], ROW_DIM, rows, ROW_DIM, producer_rows, tiles, lag):
+        if tile_local(_from(plan, prod), ROW_DIM, rows, ROW_DIM, producer_rows, tiles, lag):
             return lag
     return None
 
@@ -303,7 +318,7 @@ def planner_chain(plans) -> list:
             break
         kind = "pool" if dims[0].lo.coef("%0") else "conv"   # a pool reads its own channel
         row = dims[ROW_DIM]
-        kernel, stride, pad = row.length, _scale(plan), -row.lo.const
+        kernel, stride, pad = row.length, _scale(plan, src), -row.lo.const
         if pad < 0 or any(n + 2 * pad < kernel for n in src.shape[1:]) or (
                 kind == "pool" and ens.shape[0] != src.shape[0]):
             break   # not a conv or pool (a row at a fixed offset, a channel window): stop
