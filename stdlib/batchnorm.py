@@ -84,6 +84,9 @@ class _BatchStatistic(NormalizationEnsemble):
         twin.state = {k: v.copy() for k, v in self.state.items()}
         return twin
 
+    def reads_inputs(self, phase: Phase) -> bool:
+        return phase is not Phase.TEST
+
     def _update(self, batch_stat: np.ndarray) -> None:
         running = self.state[self.key]
         running[...] = (1.0 - self.momentum) * running + self.momentum * batch_stat

@@ -10,6 +10,7 @@ from helpers import WeightedSumLoss
 
 from latte import Net, Phase
 from latte.check import check
+from latte.compiler import HostStep, Segment
 from latte.errors import LatteError, ShapeError
 from latte.reference import Reference
 from latte.stdlib import BatchNormLayer, ConvolutionLayer, MemoryDataLayer, ReLULayer, SoftmaxLossLayer
@@ -188,6 +189,19 @@ def test_latte_check_agrees():
     assert not report.failed(), report.format()
     rows = {r.name: r for r in report.rows}
     assert rows["bn"].fd_params is not None and rows["conv"].fd_grad is not None
+
+
+@pytest.mark.parametrize("opt_level", [0, 3])
+def test_test_phase_runs_no_statistics(opt_level):
+    """In Phase.TEST the statistics come from net.state: their host steps run first and the
+    kernels of the batch's partial sums are not in the test program."""
+    net, *_ = _build((3, 4, 4), 2, opt_level)
+    steps = net.program.test
+    assert [s.ensemble.name for s in steps[:2] if isinstance(s, HostStep)] == ["bn_mean", "bn_inv_std"]
+    ran = {k.ensemble.name for s in steps if isinstance(s, Segment) for k in s.kernels}
+    assert "bn" in ran and not ran & {"bn_part_mean", "bn_part_var"}
+    trained = {k.ensemble.name for s in net.program.forward if isinstance(s, Segment) for k in s.kernels}
+    assert {"bn_part_mean", "bn_part_var"} <= trained
 
 
 def test_one_value_per_channel_is_an_error():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from latte.compiler import Segment
+from latte.compiler import HostStep, Segment
 from latte.compiler.autodiff import derived_backward, format_neuron
 from latte.compiler.fusion import describe, planner_chain
 from latte.compiler.ir import Gemm, accesses, walk
@@ -10,7 +10,7 @@ from latte.compiler.passes.tiling import FLOAT_BYTES
 from latte.compiler.planner import brainslug, occam
 from latte.compiler.printer import fmt_stmt, format_ir
 from latte.compiler.synthesis import neuron_info
-from latte.lang import defines_backward
+from latte.lang import Phase, defines_backward
 
 
 def _dims(ens, dims) -> str:
@@ -44,12 +44,30 @@ def _locality(program) -> list[str]:
     return out
 
 
+def _test_phase(program) -> list[str]:
+    """How the test forward differs from the training one: host steps that do not read their
+    inputs there (a batch norm's statistics, from ``net.state``) run first, and the kernels
+    only they read do not run."""
+    def ensembles(steps):
+        return [k.ensemble.name for s in steps if isinstance(s, Segment) for k in s.kernels
+                if k.ensemble is not None]
+    first = [s.ensemble.name for s in program.test
+             if isinstance(s, HostStep) and not s.ensemble.reads_inputs(Phase.TEST)]
+    skipped = [n for n in ensembles(program.forward) if n not in ensembles(program.test)]
+    out = [f"test forward: {', '.join(first)} run first (from the net's state, not their "
+           "inputs)"] if first else []
+    if skipped:
+        out.append(f"  not run in the test forward (only those read them): {', '.join(skipped)}")
+    return [""] + out if out else []
+
+
 def explain_program(program) -> str:
     """Per ensemble: shared dimensions, GEMM matches and the generated loops."""
     cached = program.library is not None and program.library.from_cache
     out = [f"opt_level {program.opt_level}; {len(program.buffers.buffers)} buffers; "
            f"native code {'from the disk cache' if cached else 'compiled'}"]
     out += _locality(program)
+    out += _test_phase(program)
     for plan in program.plans:
         ens = plan.ensemble
         out.append("")

@@ -8,7 +8,7 @@ from latte.compiler.ir import Affine, Assign, AugAssign, BinOp, Block, Kernel, L
 from latte.compiler.passes import drop_stores, localize
 from latte.compiler.program import HostStep, Segment
 from latte.compiler.synthesis import zero_loop
-from latte.lang import ActivationEnsemble, Ensemble, NormalizationEnsemble
+from latte.lang import ActivationEnsemble, Ensemble, NormalizationEnsemble, Phase
 
 
 def phase_steps(ensembles, by_ens, phase: str, prefix: str, split: bool = False) -> list:
@@ -38,10 +38,14 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan) -> list:
     """The forward steps of ``Phase.TEST``. No backward follows, so ``Batch`` fields that
     forward only writes (a max-pool's arg-max) are not stored, and each fused group keeps
     the intermediate values nothing after it reads (its members' but the last one's) in
-    per-thread line buffers."""
-    kernels = [k for s in forward if isinstance(s, Segment) for k in s.kernels]
+    per-thread line buffers. Host steps that ignore their inputs in the test phase (a batch
+    norm's statistics, from ``net.state``) run first, and kernels whose values only such
+    steps read (the statistics' partial sums) do not run: their values are stale in TEST."""
+    steps = _hoist_and_prune(forward, bufs)
+    kernels = [k for s in steps if isinstance(s, Segment) for k in s.kernels]
     found = [accesses(k.body) for k in kernels]
-    hosts = {bufs.value(i) for s in forward if isinstance(s, HostStep) for i in s.ensemble.inputs}
+    hosts = {bufs.value(i) for s in steps if isinstance(s, HostStep)
+             and s.ensemble.reads_inputs(Phase.TEST) for i in s.ensemble.inputs}
     read = hosts | {a.buffer for f in found for a in f if not a.written}
     dead = {a.buffer for f in found for a in f if a.written and a.buffer.batched
             and a.buffer.key[1] not in ("value", "grad")} - read
@@ -55,9 +59,43 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan) -> list:
             kernel = localize(kernel, set(values[:-1]) - {values[-1]} - elsewhere, bufs)
         if kernel is not k:
             test[k.name] = kernel
-    return [Segment(f"test_{s.name}", tuple(test.get(k.name, k) for k in s.kernels))
-            if isinstance(s, Segment) and any(k.name in test for k in s.kernels) else s
-            for s in forward]
+    originals = {s.name: s for s in forward if isinstance(s, Segment)}
+    out = []
+    for s in steps:
+        if isinstance(s, Segment):
+            ks = tuple(test.get(k.name, k) for k in s.kernels)
+            s = originals[s.name] if ks == originals[s.name].kernels else Segment(f"test_{s.name}", ks)
+        out.append(s)
+    return out
+
+
+def _hoist_and_prune(forward: list, bufs: BufferPlan) -> list:
+    """``forward`` with the host steps that do not read their inputs in ``Phase.TEST``
+    first, without the kernels whose values only those steps read (transitively), and
+    without the segments left empty. A kernel stays when a value it writes is read by a
+    step that stays, or by no later step at all (an output)."""
+    early = [s for s in forward if isinstance(s, HostStep) and not s.ensemble.reads_inputs(Phase.TEST)]
+    needed: set = set()
+    later = {bufs.value(i) for s in early for i in s.ensemble.inputs}
+    kept: list = []
+    for step in reversed(forward):
+        if isinstance(step, HostStep):
+            if step not in early:
+                needed |= {bufs.value(i) for i in step.ensemble.inputs}
+                kept.append(step)
+            continue
+        live = []
+        for k in reversed(step.kernels):
+            found = accesses(k.body)
+            reads = {a.buffer for a in found if not a.written}
+            values = {a.buffer for a in found if a.written and a.buffer.key[1] == "value"}
+            if not values or values & needed or values - later:
+                live.append(k)
+                needed |= reads
+            later |= reads
+        if live:
+            kept.append(Segment(step.name, tuple(reversed(live))))
+    return early + kept[::-1]
 
 
 def zero_grads(net, bufs: BufferPlan, skip) -> Kernel:

@@ -156,6 +156,12 @@ class NormalizationEnsemble(BaseEnsemble):
         self.phase = Phase.TRAIN
         self.state: dict[str, np.ndarray] = {}
 
+    def reads_inputs(self, phase: Phase) -> bool:
+        """Whether :meth:`forward` reads ``inputs`` in ``phase``. One that does not in
+        ``Phase.TEST`` runs first in the test program, and the kernels that only it reads
+        do not run there."""
+        return True
+
     def forward(self, inputs: list[np.ndarray], value: np.ndarray, valid: int) -> None:
         """Fill ``value`` from ``inputs``; only the first ``valid`` batch items are real."""
         raise NotImplementedError
