@@ -141,11 +141,15 @@ def test_quotient_fit_is_exact(shape):
     if shape[0] == 6:   # the relation, point by point
         for idx in _sink_points(shape):
             pt = isl.Set(f"{{ [{', '.join(map(str, idx))}] }}")
-            found = []
-            acc.relation.intersect_domain(pt).range().foreach_point(
-                lambda p: found.append(tuple(p.get_coordinate_val(isl.dim_type.set, i).to_python()
-                                             for i in range(3))))
+            found = _isl_points(acc.relation.intersect_domain(pt).range())
             assert sorted(found) == sorted(itertools.product(*mapping(*idx))), idx
+
+
+def _isl_points(s: isl.Set) -> list[tuple[int, ...]]:
+    out = []
+    s.foreach_point(lambda p: out.append(tuple(
+        p.get_coordinate_val(isl.dim_type.set, i).to_python() for i in range(s.dim(isl.dim_type.set)))))
+    return out
 
 
 def _conn(net, sink_shape, src_shape, mapping, name="s"):

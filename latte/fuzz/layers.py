@@ -14,6 +14,9 @@ from typing import Callable
 
 import numpy as np
 
+from latte.lang import Ensemble, add_connections
+from latte.stdlib.convolution import ConvolutionLayer, UnbiasedNeuron
+
 
 @dataclass(frozen=True)
 class Layer:
@@ -37,3 +40,43 @@ def pick(rng: np.random.Generator, items: list):
 
 
 LAYERS: list[Layer] = []
+
+
+# ---- convolution (groups, dilation, bias=False) and floor-division mappings (issue 11, item 1)
+def _conv(rng, net, name, src, pool):
+    """A convolution with a random group count dividing the channels (depthwise included),
+    dilation, stride, padding, non-square kernels, with or without bias."""
+    c, h, w = src.shape
+    groups = pick(rng, [g for g in range(1, c + 1) if c % g == 0])
+    pad = tuple(int(rng.integers(0, 2)) for _ in range(2))
+    dilation = tuple(int(rng.integers(1, 3)) for _ in range(2))
+    kernel = tuple(min(int(rng.integers(1, 4)), (n + 2 * p - 1) // d + 1)
+                   for n, p, d in zip((h, w), pad, dilation))   # the dilated window fits
+    return ConvolutionLayer(name, net, src, groups * int(rng.integers(1, 3)), kernel,
+                            stride=tuple(int(rng.integers(1, 3)) for _ in range(2)), pad=pad,
+                            dilation=dilation, groups=groups, bias=bool(rng.random() < 0.5))
+
+
+def _quotient(rng, net, name, src, pool):
+    """Neurons reading ``y // q`` of the source along each dimension (nearest upsampling by
+    ``q``), one dimension possibly through a padded window around it: quasi-affine mappings,
+    which synthesis strip-mines."""
+    qs = [int(rng.integers(1, 3)) for _ in src.shape]
+    qs[int(rng.integers(len(qs)))] = 2
+    shape = tuple(n * q for n, q in zip(src.shape, qs))
+    window = int(rng.integers(-1, len(qs)))   # -1: no window
+
+    def mapping(*y):
+        return tuple(range(y[i] // q - 1, y[i] // q + 2) if i == window else y[i] // q
+                     for i, q in enumerate(qs))
+
+    weights = (0.5 * rng.standard_normal((*shape, 1 if window < 0 else 3))).astype(np.float32)
+    ens = Ensemble(net, name, UnbiasedNeuron, shape, weights=weights)
+    add_connections(net, src, ens, mapping, padding=None if window < 0 else 0.0)
+    return ens
+
+
+LAYERS.extend([
+    Layer("conv", image, _conv),
+    Layer("quotient", lambda src: src.size <= 256, _quotient),
+])
