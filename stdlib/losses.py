@@ -99,7 +99,8 @@ class Accuracy(NormalizationEnsemble):
 class _TargetLoss(NormalizationEnsemble):
     """A loss of ``input`` against a ``target`` ensemble of the same size, summed over the
     elements and averaged over the batch. Subclasses give the per-element loss and its
-    derivatives; the gradient reaches the target too unless it is a data layer's labels."""
+    derivatives; the gradient reaches the target too unless it is a data layer's labels.
+    ``value`` holds each item's summed loss; an ensemble reading it passes its gradient on."""
 
     is_loss = True
     bounds: tuple[float, float] | None = None   # the targets the loss accepts
@@ -136,10 +137,11 @@ class _TargetLoss(NormalizationEnsemble):
     def backward(self, inputs, grad_inputs, value, grad, valid):
         x, t = self._pair(inputs, valid)
         dx, dt = self.derivatives(x, t)
+        per_item = self.scale + grad[:valid].astype(np.float64)   # d (loss + readers) / d value
         for k, d in ((0, dx), (1, dt if self.to_target else None)):
             if d is not None:
                 g = grad_inputs[k].reshape(grad_inputs[k].shape[0], -1)
-                g[:valid] += (d * self.scale).astype(np.float32)
+                g[:valid] += (d * per_item).astype(np.float32)
 
     def elementwise(self, x: np.ndarray, t: np.ndarray) -> np.ndarray:
         raise NotImplementedError

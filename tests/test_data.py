@@ -9,7 +9,7 @@ import threading
 import h5py
 import numpy as np
 import pytest
-from helpers import softmax_xent
+from helpers import WeightedSumLoss, softmax_xent
 
 from latte import Net, Phase
 from latte.errors import DataError, ShapeError
@@ -45,15 +45,18 @@ def _targets(kind: str, rng, shape) -> np.ndarray:
 
 
 @pytest.mark.parametrize("kind", sorted(LOSSES))
-def test_target_loss_matches_torch(kind):
+@pytest.mark.parametrize("read", [False, True])
+def test_target_loss_matches_torch(kind, read):
     """Loss, input gradient and target gradient against torch in float64, logits far
-    from zero included (the sigmoid cross-entropy must stay finite and exact there)."""
+    from zero included (the sigmoid cross-entropy must stay finite and exact there).
+    ``read``: a second loss ``sum(w * per-item loss)`` reads the loss's values."""
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(1)
     net = Net(5, seed=0, opt_level=0)
     x = MemoryDataLayer(net, "x", (2, 3))
     t = MemoryDataLayer(net, "t", (2, 3))
-    LOSSES[kind]("loss", net, x, t)
+    loss = LOSSES[kind]("loss", net, x, t)
+    w = WeightedSumLoss(net, "reader", loss).w if read else np.zeros((5, 1), np.float32)
     xv = (4 * rng.standard_normal((5, 2, 3))).astype(np.float32)
     xv[0, 0, 0], xv[1, 1, 2] = 60.0, -80.0
     tv = _targets(kind, rng, (5, 2, 3))
@@ -63,6 +66,8 @@ def test_target_loss_matches_torch(kind):
     tx = torch.tensor(xv, dtype=torch.float64, requires_grad=True)
     tt = torch.tensor(tv, dtype=torch.float64, requires_grad=True)
     want = _torch_loss(kind, tx, tt, 5)
+    items = [_torch_loss(kind, tx[i], tt[i], 1) for i in range(5)]
+    want = want + sum(float(w[i, 0]) * items[i] for i in range(5))
     want.backward()
     assert np.isfinite(net.loss)
     assert net.loss == pytest.approx(want.item(), rel=1e-6)
