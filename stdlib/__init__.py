@@ -15,7 +15,7 @@ from latte.stdlib.activations import (
     TanhNeuron,
 )
 from latte.stdlib.batchnorm import BatchNormLayer
-from latte.stdlib.convolution import ConvolutionLayer
+from latte.stdlib.convolution import ConvolutionLayer, UnbiasedNeuron
 from latte.stdlib.data import ArrayDataLayer, HDF5DataLayer, MemoryDataLayer
 from latte.stdlib.dropout import DropoutEnsemble, DropoutLayer, DropoutNeuron
 from latte.stdlib.fully_connected import FullyConnectedLayer, WeightedNeuron
@@ -48,3 +48,4 @@ __all__ += ["AddLayer", "AddNeuron", "ConcatLayer", "ELULayer", "ELUNeuron", "Gl
 __all__ += ["BatchNormLayer"]
 __all__ += ["EuclideanLossLayer", "Mirror", "Normalize", "RandomCrop", "SigmoidCrossEntropyLossLayer",
             "Transform"]
+__all__ += ["UnbiasedNeuron"]
