@@ -27,6 +27,7 @@ import numpy as np
 
 from latte.errors import ShapeError
 from latte.lang import Ensemble, Field, Neuron, NormalizationEnsemble, Param, Phase, add_connections
+from latte.stdlib.init import shared_scalar
 from latte.stdlib.pooling import MeanNeuron
 
 
@@ -155,7 +156,7 @@ def BatchNormLayer(name: str, net, input_ens, *, eps: float = 1e-5, momentum: fl
         raise ValueError(f"batch norm {name!r}: eps must be positive, got {eps}")
     channels, rest = input_ens.shape[0], input_ens.shape[1:]
     per_item = int(np.prod(rest, dtype=np.int64))
-    inv = {"scale": (np.full((1, 1), 1.0 / per_item, np.float32), lambda c: 0)}
+    inv = {"scale": shared_scalar(1.0 / per_item)}
 
     def window(c):   # channel c of one item, whole
         return (c, *(range(d) for d in rest))

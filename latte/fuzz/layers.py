@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from latte.lang import Ensemble, add_connections
+from latte.stdlib.batchnorm import BatchNormLayer
 from latte.stdlib.convolution import ConvolutionLayer, UnbiasedNeuron
 
 
@@ -40,6 +41,19 @@ def pick(rng: np.random.Generator, items: list):
 
 
 LAYERS: list[Layer] = []
+
+
+# ---- batch normalization (issue 11, item 1)
+def _batchnorm(rng, net, name, src, pool):
+    # eps well above float32 rounding: a channel nearly constant over the batch (after a
+    # ReLU) would otherwise come out as rounding noise times 1/sqrt(eps)
+    return BatchNormLayer(name, net, src, eps=float(rng.choice([1e-2, 1e-1])),
+                          momentum=float(rng.choice([0.1, 0.5])))
+
+
+# training needs two values per channel: a batch of one (C,) vector has one
+LAYERS.append(Layer("batchnorm", lambda src: src.size // src.shape[0] * src.net.batch_size >= 2,
+                    _batchnorm))
 
 
 # ---- convolution (groups, dilation, bias=False) and floor-division mappings (issue 11, item 1)
