@@ -244,7 +244,8 @@ class _Profiler:
         with contextlib.ExitStack() as stack:
             for name, phase in (("init", compile_phase), ("forward", forward_phase),
                                 ("backward", lambda net: "backward"),
-                                ("update", lambda net, *a, **k: "update")):
+                                ("update", lambda net, *a, **k: "update"),
+                                ("compile_update", lambda net, *a, **k: "compile")):
                 stack.enter_context(_patched(Net, name, self._timed(getattr(Net, name), phase)))
             yield
 

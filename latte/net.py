@@ -7,7 +7,7 @@ import json
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -17,25 +17,41 @@ from latte.compiler import compile_net
 from latte.compiler.blas import pin_other_blas, set_blas_threads
 from latte.compiler.cache import write_atomic
 from latte.compiler.jit import openmp
+from latte.compiler.update import ParamBuffers, UpdateRule
 from latte.errors import DataError, LatteError
 from latte.lang import DataEnsemble, Ensemble, Graph, NormalizationEnsemble, Phase
 from latte.overrides import pick
 from latte.runtime import distributed
 from latte.runtime.executor import Executor
-from latte.runtime.memory import Memory
+from latte.runtime.memory import Memory, aligned_zeros
 from latte.runtime.profile import Profile
+from latte.runtime.updater import Updater
+from latte.solvers.algorithms import SGD_RULE
 
 
 @dataclass(frozen=True, eq=False)
 class Parameter:
-    """A learnable array: ``value`` and ``grad`` are live views of the net's buffers."""
+    """A learnable array: ``value`` and ``grad`` are live views of the net's buffers.
+    ``state`` holds the solvers' per-parameter arrays by name (SGD's ``"history"``, Adam's
+    ``"exp_avg"``...), created zero when a solver first needs them."""
 
     name: str
     value: np.ndarray
     grad: np.ndarray
-    history: np.ndarray          # momentum (solver state)
     lr_mult: float
     decay_mult: float
+    state: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def solver_state(self, name: str) -> np.ndarray:
+        """The state array ``name`` (zeros of the parameter's shape when new)."""
+        if name not in self.state:
+            self.state[name] = aligned_zeros(self.value.shape, np.float32)
+        return self.state[name]
+
+    @property
+    def history(self) -> np.ndarray:
+        """SGD's momentum history."""
+        return self.solver_state("history")
 
 
 class Net(Graph):
@@ -92,9 +108,11 @@ class Net(Graph):
             f = ens.fields[name]
             self.params.append(Parameter(f"{ens.name}.{name}", self._memory[bufs.field(ens, name)],
                                          self._memory[bufs.field_grad(ens, name)],
-                                         self._memory[bufs.history(ens, name)],
                                          f.spec.lr_mult, f.spec.decay_mult))
-        self._scalars = self._memory[bufs.scalars(3 * len(self.params))]
+        self._updater = Updater(self.params, [ParamBuffers(p.name, bufs.field(e, n),
+                                                           bufs.field_grad(e, n))
+                                              for p, (e, n) in zip(self.params, self.program.params)],
+                                self._memory, self._executor, bufs.threads, self.opt_level, split)
         self._before_forward = [(e, {name: self.field(e, name) for name in e.fields})
                                 for e in self.ensembles if isinstance(e, Ensemble)
                                 and type(e).before_forward is not Ensemble.before_forward]
@@ -106,7 +124,8 @@ class Net(Graph):
         calls this once per epoch so such differences cannot accumulate."""
         for p in self.params:
             distributed.broadcast(p.value)
-            distributed.broadcast(p.history)
+            for name in sorted(p.state):
+                distributed.broadcast(p.state[name])
 
     def _ready(self) -> None:
         if self.program is None:
@@ -155,13 +174,37 @@ class Net(Graph):
         self._ready()
         self._executor.backward(self.valid)
 
-    def update(self, lr: float, momentum: float = 0.0, regu_coef: float = 0.0) -> None:
-        """One SGD step: ``hist = mom*hist + lr*lr_mult*(grad + regu*decay_mult*param)``."""
+    def update(self, lr: float, momentum: float = 0.0, regu_coef: float = 0.0, *,
+               rule: UpdateRule = SGD_RULE, scalars: dict | None = None,
+               clip_gradients: float | None = None, check_finite: bool = False) -> list[str]:
+        """One solver step, compiled: by default SGD,
+        ``hist = mom*hist + lr*lr_mult*(grad + regu*decay_mult*param); param -= hist``.
+        A solver passes its ``rule`` (:mod:`latte.compiler.update`) and the values of the
+        rule's own ``scalars`` (a float, or one per parameter); ``clip_gradients`` first
+        scales all gradients so that their global L2 norm is at most that. With
+        ``check_finite``, returns the names of the parameters that hold a NaN or an
+        infinity after the step (:meth:`nonfinite_params`); else an empty list."""
         self._ready()
-        s = self._scalars.reshape(-1, 3) if self.params else self._scalars[:0].reshape(0, 3)
-        for i, p in enumerate(self.params):
-            s[i] = (lr * p.lr_mult, momentum, regu_coef * p.decay_mult)
-        self._executor.update()
+        columns = {"lr": [lr * p.lr_mult for p in self.params], "mom": momentum,
+                   "l2": [regu_coef * p.decay_mult for p in self.params], **(scalars or {})}
+        self._updater.update(rule, columns, clip_gradients)
+        return self._updater.nonfinite() if check_finite else []
+
+    def compile_update(self, rule: UpdateRule = SGD_RULE) -> None:
+        """Compile the update of ``rule`` and the reductions around it (``solve`` calls this
+        before training; else the first :meth:`update` does)."""
+        self._ready()
+        self._updater.compile(rule)
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of every parameter gradient (what ``clip_gradients`` clips)."""
+        self._ready()
+        return self._updater.grad_norm()
+
+    def nonfinite_params(self) -> list[str]:
+        """The names of the parameters holding a NaN or an infinity (a compiled check)."""
+        self._ready()
+        return self._updater.nonfinite()
 
     @property
     def comm_stats(self) -> dict[str, float] | None:
@@ -203,7 +246,7 @@ class Net(Graph):
         """Write parameters, momentum, ``state`` and solver state to ``path`` atomically."""
         self._ready()
         arrays = {f"value/{p.name}": p.value for p in self.params}
-        arrays |= {f"history/{p.name}": p.history for p in self.params}
+        arrays |= {f"{k}/{p.name}": a for p in self.params for k, a in p.state.items()}
         arrays |= {f"state/{name}": a for name, a in self.state.items()}
         buf = io.BytesIO()
         np.savez(buf, __state__=np.array(json.dumps(self.solver_state)), **arrays)
@@ -215,8 +258,15 @@ class Net(Graph):
         if not os.path.exists(path):
             raise DataError(f"checkpoint {os.fspath(path)!r} does not exist")
         with np.load(path) as data:
+            # solver state: "<state>/<parameter>" (SGD's momentum is "history/...")
+            saved = {(kind, name) for kind, _, name in (k.partition("/") for k in data.files)
+                     if kind not in ("value", "state", "__state__")}
             for p in self.params:
-                for kind, arr in (("value", p.value), ("history", p.history)):
+                for kind in {k for k, name in saved if name == p.name} | set(p.state):
+                    if (kind, p.name) not in saved:   # a state the snapshot's solver had not
+                        p.state[kind][...] = 0.0
+                for kind, arr in [("value", p.value)] + [(k, p.solver_state(k)) for k, name
+                                                         in sorted(saved) if name == p.name]:
                     key = f"{kind}/{p.name}"
                     if key not in data:
                         raise LatteError(f"checkpoint {os.fspath(path)!r} has no {key!r}")

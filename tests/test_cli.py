@@ -125,9 +125,10 @@ def test_profile_prints_time_per_ensemble(tmp_path):
     assert result.returncode == 0, result.stderr
     phases = _table(result.stderr, "profile:", "rest of the script")
     ensembles = _table(result.stderr, "per ensemble", "total")
-    # every non-data ensemble, data loading, zeroing the gradients and the update
+    # every non-data ensemble, data loading, zeroing the gradients, the update and the
+    # parameters' finite check
     assert set(ensembles) == {"(data)", "ip1", "relu1", "ip2", "loss", "accuracy",
-                              "(zero_grads)", "(sgd_update)", "total"}
+                              "(zero_grads)", "(sgd_update)", "(finite_check)", "total"}
     ms = {name: [float(c) if c != "-" else 0.0 for c in cols[:3]]
           for name, cols in ensembles.items()}
     *rows, total = ms.values()

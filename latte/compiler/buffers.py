@@ -55,11 +55,6 @@ class BufferPlan:
         return self._get((ens, "grad_" + name), f"{ens.name}.grad_{name}",
                          ens.fields[name].array.shape)
 
-    def history(self, ens, name: str) -> Buffer:
-        """Momentum history of a parameter (solver state)."""
-        return self._get((ens, "hist_" + name), f"{ens.name}.hist_{name}",
-                         ens.fields[name].array.shape)
-
     def table(self, conn, shape: tuple[int, ...]) -> Buffer:
         return self._get((conn, "table"), f"{conn.source.name}->{conn.sink.name}.table", shape,
                          "int32")
@@ -71,7 +66,3 @@ class BufferPlan:
     def private(self, buf: Buffer) -> Buffer:
         """Per-thread private copies of ``buf`` (gradients accumulated in parallel)."""
         return self._get((buf, "private"), f"{buf.name}.private", (self.threads, *buf.shape))
-
-    def scalars(self, count: int) -> Buffer:
-        """Per-step scalars the runtime writes (learning rates, momenta, decays)."""
-        return self._get(("net", "scalars"), "scalars", (max(1, count),))

@@ -63,7 +63,7 @@ class Compilation:
     program: Program | None = None
 
     def kernels(self) -> list[Kernel]:
-        """Every ensemble kernel, then the scheduled ones (zeroing, updates)."""
+        """Every ensemble kernel, then the scheduled ones (zeroing the gradients)."""
         found = [p.kernels[ph] for p in self.plans for ph in PHASES if ph in p.kernels]
         if self.program is not None:
             found += [k for s in self.program.segments() for k in s.kernels if k.ensemble is None]
@@ -145,7 +145,8 @@ def _localize_recomputed(c: Compilation) -> None:
 
 
 def _schedule(c: Compilation) -> None:
-    """Kernels -> segments and host steps per phase; zeroing and update kernels."""
+    """Kernels -> segments and host steps per phase; the gradient-zeroing kernel (a
+    solver's update is compiled when it first runs: ``latte.compiler.update``)."""
     net, bufs = c.net, c.bufs
     params = [(e, f.name) for e in net.ensembles if isinstance(e, Ensemble) for f in e.params]
     by_ens = {p.ensemble: p for p in c.plans}
@@ -157,10 +158,7 @@ def _schedule(c: Compilation) -> None:
         backward[0] = Segment(backward[0].name, (zero, *backward[0].kernels))
     else:
         backward.insert(0, Segment("bwd_zero", (zero,)))
-    kernels = [parallelize(k, bufs) for k in schedule.update_kernels(params, bufs)]
-    update = ([Segment(f"update{p}", (k,)) for p, k in enumerate(kernels)] if c.split
-              else [Segment("update", tuple(kernels))])
-    c.program = Program(bufs, forward, backward, test, update, params, c.plans, c.opt_level,
+    c.program = Program(bufs, forward, backward, test, params, c.plans, c.opt_level,
                         groups=c.groups, budget=c.budget)
 
 
@@ -245,12 +243,14 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     # opt level 0 is the plain-loop baseline the others are checked against: LLVM's O1
     # compiles it in half the time, and nothing at that level is meant to be fast
     program.library = target().library(fingerprint(segments, index, threads),
-                                       lambda: _llvm_ir(segments, index, threads),
+                                       lambda: llvm_ir(segments, index, threads),
                                        speed=1 if opt_level == 0 else 3)
     return program
 
 
-def _llvm_ir(segments: list[Segment], index: dict, threads: int) -> str:
+def llvm_ir(segments: list[Segment], index: dict, threads: int) -> str:
+    """The LLVM IR of ``segments`` over the buffer table ``index`` (``LATTE_DUMP=llvm``
+    prints it)."""
     mb = ModuleBuilder(index, threads)
     for seg in segments:
         mb.add_segment(seg.name, list(seg.kernels))

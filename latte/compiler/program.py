@@ -53,7 +53,6 @@ class Program:
     forward: list
     backward: list
     test: list            # the forward of Phase.TEST (fused intermediates in line buffers)
-    update: list          # SGD update segments (one per parameter when split)
     params: list[tuple[Ensemble, str]]
     plans: list[EnsemblePlan]
     opt_level: int
@@ -64,4 +63,4 @@ class Program:
     def segments(self) -> list[Segment]:
         """Every native segment, each once (the test forward shares unchanged ones)."""
         steps = self.forward + self.backward + [s for s in self.test if s not in self.forward]
-        return [s for s in steps if isinstance(s, Segment)] + self.update
+        return [s for s in steps if isinstance(s, Segment)]

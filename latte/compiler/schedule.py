@@ -1,10 +1,11 @@
 """Scheduling: optimized kernels -> the runtime's step lists (segments of native code and
-host steps per phase), the gradient-zeroing kernel and the SGD update kernels."""
+host steps per phase) and the gradient-zeroing kernel. (A solver's update kernels are built
+when it first runs: ``latte.compiler.update``.)"""
 
 from __future__ import annotations
 
 from latte.compiler.buffers import BufferPlan
-from latte.compiler.ir import Affine, Assign, AugAssign, BinOp, Block, Kernel, Load, Loop, Ref, accesses
+from latte.compiler.ir import Block, Kernel, accesses
 from latte.compiler.passes import drop_stores, localize
 from latte.compiler.program import HostStep, Segment
 from latte.compiler.synthesis import zero_loop
@@ -112,20 +113,3 @@ def zero_grads(net, bufs: BufferPlan, skip) -> Kernel:
     body = Block(tuple(zero_loop(g, f"_z{i}") for i, g in enumerate(grads)))
     return Kernel("zero_grads", body, None, "backward")
 
-
-def update_kernels(params, bufs: BufferPlan) -> list[Kernel]:
-    """Per parameter, SGD with momentum: ``hist = mom*hist + lr*(grad + decay*param);
-    param -= hist``. The runtime writes ``lr``, ``mom`` and ``decay`` per parameter into the
-    scalar buffer."""
-    scal = bufs.scalars(3 * len(params))
-    kernels = []
-    for p, (ens, name) in enumerate(params):
-        val, grad, hist = bufs.field(ens, name), bufs.field_grad(ens, name), bufs.history(ens, name)
-        i = Affine.of(f"_u{p}")
-        v, g, h = (Ref(b, (i,), (b.size,)) for b in (val, grad, hist))
-        lr, mom, decay = (Load(Ref(scal, (Affine((), 3 * p + j),), scal.shape)) for j in range(3))
-        new_hist = BinOp("+", BinOp("*", mom, Load(h)),
-                         BinOp("*", lr, BinOp("+", Load(g), BinOp("*", decay, Load(v)))))
-        loop = Loop(f"_u{p}", 0, val.size, Block((Assign(h, new_hist), AugAssign(v, "-", Load(h)))))
-        kernels.append(Kernel("sgd_update", Block((loop,)), None, "update"))
-    return kernels

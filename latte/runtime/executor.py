@@ -11,12 +11,38 @@ import numpy as np
 from latte.compiler import HostStep, Program, Segment
 from latte.compiler.codegen import BOUNDS_OFFSET, BOUNDS_SITE
 from latte.compiler.ir import Buffer, Ref, walk
+from latte.compiler.jit import CodeLibrary
 from latte.errors import CompileError
 from latte.runtime.distributed import Communicator
 from latte.runtime.memory import Memory
 from latte.runtime.profile import Profile
 
 _SEGMENT = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class NativeCode:
+    """The segments of one code library, called on one buffer table. With bounds checks
+    compiled in (``LATTE_CHECK_BOUNDS=1``), a call raises if the segment recorded an access
+    outside a buffer (the access was skipped)."""
+
+    def __init__(self, library: CodeLibrary, segments: list[Segment], table):
+        self._fns = {seg.name: _SEGMENT(library.address(seg.name)) for seg in segments}
+        self._table = ctypes.cast(table, ctypes.c_void_p)
+        engine = library.engine   # code built with LATTE_CHECK_BOUNDS=1 has these
+        self._site = engine.get_global_value_address(BOUNDS_SITE)
+        self._offset = engine.get_global_value_address(BOUNDS_OFFSET)
+
+    def call(self, segment: str) -> None:
+        self._fns[segment](self._table)
+        if self._site:
+            site = ctypes.c_void_p.from_address(self._site)
+            if site.value:
+                what = ctypes.string_at(site.value).decode()
+                offset = ctypes.c_int64.from_address(self._offset).value
+                site.value = None
+                raise CompileError(f"segment {segment}, {what}: the compiled code accessed "
+                                   f"offset {offset}, outside the buffer (the access was "
+                                   "skipped; a compiler bug: please report it)")
 
 
 class Executor:
@@ -34,34 +60,13 @@ class Executor:
                  profile: Profile | None = None):
         self.program, self.memory, self.comm, self.profile = program, memory, comm, profile
         self._ready_grads = _ready_grads(program, memory) if comm is not None else {}
-        self._update_grads = ({s.name: [memory[b] for b in _param_grads(s, program)]
-                               for s in program.update} if comm is not None else {})
-        self._fns = {}
-        for seg in program.segments():
-            self._fns[seg.name] = _SEGMENT(program.library.address(seg.name))
-        self._table = ctypes.cast(memory.table, ctypes.c_void_p)
-        engine = program.library.engine   # code built with LATTE_CHECK_BOUNDS=1 has these
-        self._site = engine.get_global_value_address(BOUNDS_SITE)
-        self._offset = engine.get_global_value_address(BOUNDS_OFFSET)
-        steps = program.forward + program.backward + program.test + program.update
+        self._update_grads: dict[int, list[np.ndarray]] = {}   # id(segment) -> its gradients
+        self.code = NativeCode(program.library, program.segments(), memory.table)
+        steps = program.forward + program.backward + program.test
         fused = {(g.owner(phase).ensemble, phase): g.name
                  for g in program.groups for phase in ("forward", "backward")}
         self._labels = ({id(s): step_label(s, fused) for s in steps} if profile is not None
                         else {})
-
-    def _call(self, segment: str) -> None:
-        """Run a native segment; with bounds checks compiled in, raise if it recorded an
-        access outside a buffer (the access was skipped)."""
-        self._fns[segment](self._table)
-        if self._site:
-            site = ctypes.c_void_p.from_address(self._site)
-            if site.value:
-                what = ctypes.string_at(site.value).decode()
-                offset = ctypes.c_int64.from_address(self._offset).value
-                site.value = None
-                raise CompileError(f"segment {segment}, {what}: the compiled code accessed "
-                                   f"offset {offset}, outside the buffer (the access was "
-                                   "skipped; a compiler bug: please report it)")
 
     def _run(self, steps, valid: int) -> None:
         bufs, mem = self.program.buffers, self.memory
@@ -69,7 +74,7 @@ class Executor:
             if self.comm is not None:
                 self.comm.progress()
             if isinstance(step, Segment):
-                self._call(step.name)
+                self.code.call(step.name)
                 if step.name in self._ready_grads:
                     self.comm.start(self._ready_grads[step.name])
                 continue
@@ -108,21 +113,26 @@ class Executor:
         else:
             self._run_profiled(self.program.backward, valid, "backward")
 
-    def update(self) -> None:
-        """Each update segment runs once its parameters' reductions are done: under MPI the
-        later reductions keep going while the earlier parameters update."""
-        for seg in self.program.update:
+    def update(self, code: NativeCode, segments: list[Segment], last: bool = True) -> None:
+        """Run update ``segments`` of ``code`` (a solver's update, or the reductions around
+        it); each runs once the reductions over ranks of the gradients it reads are done:
+        under MPI the later reductions keep going while the earlier parameters update.
+        ``last``: these segments end the training step."""
+        for seg in segments:
             if self.comm is not None:
-                self.comm.wait(self._update_grads[seg.name])
+                if id(seg) not in self._update_grads:
+                    self._update_grads[id(seg)] = [self.memory[b] for b in
+                                                   _param_grads(seg, self.program)]
+                self.comm.wait(self._update_grads[id(seg)])
             if self.profile is None:
-                self._call(seg.name)
+                code.call(seg.name)
                 continue
             start = time.perf_counter()
-            self._call(seg.name)
-            self.profile.add(self._labels[id(seg)], "update", time.perf_counter() - start)
-        if self.comm is not None:
+            code.call(seg.name)
+            self.profile.add(step_label(seg), "update", time.perf_counter() - start)
+        if last and self.comm is not None:
             self.comm.end_step()
-        if self.profile is not None:
+        if last and self.profile is not None:
             self.profile.count("update")
 
 

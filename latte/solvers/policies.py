@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Callable
 
 
 class LRPolicy:
@@ -57,6 +59,40 @@ class LRPolicy:
 
         def __call__(self, it: int) -> float:
             return self.lr * max(0.0, 1.0 - it / self.max_iter) ** self.power
+
+    @dataclass(frozen=True)
+    class MultiStep:
+        """``lr * gamma**k``, ``k`` the number of milestones ``<= it``."""
+
+        lr: float
+        gamma: float
+        milestones: tuple[int, ...]
+
+        def __call__(self, it: int) -> float:
+            return self.lr * self.gamma ** sum(1 for m in self.milestones if m <= it)
+
+    @dataclass(frozen=True)
+    class Cosine:
+        """From ``lr`` down to ``min_lr`` along half a cosine over ``max_iter`` iterations,
+        then ``min_lr``."""
+
+        lr: float
+        max_iter: int
+        min_lr: float = 0.0
+
+        def __call__(self, it: int) -> float:
+            t = min(it, self.max_iter) / self.max_iter
+            return self.min_lr + (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * t)) / 2.0
+
+    @dataclass(frozen=True)
+    class Warmup:
+        """``policy``'s rate times ``min(1, (it + 1) / warmup_iter)``."""
+
+        policy: Callable[[int], float]
+        warmup_iter: int
+
+        def __call__(self, it: int) -> float:
+            return self.policy(it) * min(1.0, (it + 1) / self.warmup_iter)
 
 
 class MomPolicy:

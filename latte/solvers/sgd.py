@@ -1,4 +1,4 @@
-"""SGD and the training loop: epochs of forward / backward / update, then a test pass."""
+"""The training loop: epochs of forward / backward / update, then a test pass."""
 
 from __future__ import annotations
 
@@ -14,21 +14,32 @@ from latte.errors import TrainingError
 from latte.lang import NormalizationEnsemble, Phase
 from latte.overrides import pick
 from latte.runtime import distributed
+from latte.solvers.algorithms import Solver
 from latte.solvers.policies import LRPolicy, MomPolicy
 
 
 @dataclass
 class SolverParameters:
-    """``hist = mom*hist + lr*(grad + regu_coef*decay_mult*param); param -= hist``."""
+    """What every solver shares: the rate and momentum schedules, the epochs, the L2
+    coefficient (``regu_coef * decay_mult * param`` added to each gradient) and where
+    snapshots go. ``clip_gradients=c`` scales all gradients together so that their global
+    L2 norm is at most ``c`` (torch's ``clip_grad_norm_``), before the L2 term.
+    ``snapshot_every`` (iterations; None: each epoch) and ``keep_snapshots`` are accepted
+    and stored; the snapshot/resume work implements them."""
 
     lr_policy: object = field(default_factory=lambda: LRPolicy.Fixed(0.01))
     mom_policy: object = field(default_factory=lambda: MomPolicy.Fixed(0.0))
     max_epoch: int = 1
     regu_coef: float = 0.0
     snapshot_dir: str | None = None
+    clip_gradients: float | None = None
+    snapshot_every: int | None = None
+    keep_snapshots: int = 3
 
     def __post_init__(self):
         self.max_epoch = int(pick("max_epoch", self.max_epoch))
+        if self.clip_gradients is not None and not self.clip_gradients > 0:
+            raise ValueError(f"clip_gradients must be positive, got {self.clip_gradients}")
 
 
 @dataclass
@@ -39,17 +50,6 @@ class History:
     test_accuracy: list[float] = field(default_factory=list)
     test_loss: list[float] = field(default_factory=list)
     epoch_seconds: list[float] = field(default_factory=list)
-
-
-class SGD:
-    """Stochastic gradient descent with momentum and weight decay."""
-
-    def __init__(self, params: SolverParameters):
-        self.params = params
-
-    def step(self, net, iteration: int) -> None:
-        p = self.params
-        net.update(p.lr_policy(iteration), p.mom_policy(iteration), p.regu_coef)
 
 
 def _test(net) -> tuple[float | None, float | None]:
@@ -78,7 +78,7 @@ def _test(net) -> tuple[float | None, float | None]:
     return (hits / count if accs else None), loss_sum / count
 
 
-def solve(solver: SGD, net, progress=None) -> History:
+def solve(solver: Solver, net, progress=None) -> History:
     """Train ``net`` for ``max_epoch`` epochs; returns the :class:`History`.
 
     ``progress`` (optional) is called as ``progress(event, **info)`` for ``"iteration"``
@@ -86,6 +86,7 @@ def solve(solver: SGD, net, progress=None) -> History:
     """
     progress = progress or pick("progress", None)
     net.init()
+    net.compile_update(solver.rule)
     params = solver.params
     sources = net.data_sources()
     iters = max((s.batches_per_epoch(Phase.TRAIN) for s in sources), default=1)
@@ -104,7 +105,11 @@ def solve(solver: SGD, net, progress=None) -> History:
                 raise TrainingError(f"the loss became {loss} at iteration {it} (epoch {epoch}); "
                                     "lower the learning rate or check the data")
             net.backward()
-            solver.step(net, it)
+            bad = solver.step(net, it, check_finite=True)
+            if bad:
+                raise TrainingError(f"parameter {bad[0]!r} became non-finite (NaN or inf) at "
+                                    f"iteration {it} (epoch {epoch}); lower the learning rate, "
+                                    "clip the gradients or check the data")
             history.train_loss.append(loss)
             it += 1
             if progress:
