@@ -152,6 +152,30 @@ def _isl_points(s: isl.Set) -> list[tuple[int, ...]]:
     return out
 
 
+@pytest.mark.parametrize("opt_level", [0, 3])
+@pytest.mark.parametrize("shape", [(6, 4, 5), (12, 20, 20)], ids=["evaluated", "traced"])
+def test_channel_shuffle(opt_level, shape):
+    """``(o % g) * (C/g) + o // g`` (ShuffleNet's channel shuffle) is quasi-affine too: no
+    gather table, and values and gradients move where numpy says."""
+    c, groups = shape[0], 3
+    net = Net(BATCH, opt_level=opt_level, num_threads=2)
+    x = MemoryDataLayer(net, "x", shape)
+    out = Ensemble(net, "shuffle", UnbiasedNeuron, shape,
+                   weights=np.ones((*shape, 1), np.float32))
+    add_connections(net, x, out, lambda o, y, x_: ((o % groups) * (c // groups) + o // groups, y, x_))
+    loss = WeightedSumLoss(net, "loss", out)
+    net.init()
+    assert net.program.plans[0].accesses[0].quotients() == {0: groups}
+    xv = fill(net, x, np.random.default_rng(5))
+    net.forward()
+    net.backward()
+    perm = [(o % groups) * (c // groups) + o // groups for o in range(c)]
+    np.testing.assert_array_equal(net.value(out), xv[:, perm])
+    grad = np.zeros_like(xv)
+    grad[:, perm] = loss.w
+    np.testing.assert_array_equal(net.grad(x), grad)
+
+
 def _conn(net, sink_shape, src_shape, mapping, name="s"):
     src = MemoryDataLayer(net, f"{name}_src", src_shape)
     sink = Ensemble(net, name, UnbiasedNeuron, sink_shape,

@@ -5,10 +5,11 @@ with :class:`Sym` arguments (affine forms of the sink index) and ``range`` repla
 globals by :func:`sym_range`. Straight-line arithmetic (``+ - *`` by integers) on them gives
 the mapping's result at every sink index at once, which proves an affine fit for every
 neuron, however large the ensemble. A sink index floor-divided by a positive constant
-(``o // 4``, a group of channels) becomes a variable of its own, :func:`quot_var`, which makes
-the result quasi-affine. Anything else (a comparison or branch on the index, ``//`` of a
-sum, indexing a table, converting to ``int``) raises :class:`Untraceable`, and the caller
-falls back to evaluating the mapping at every neuron.
+(``o // 4``, a group of channels) becomes a variable of its own, :func:`quot_var`, which
+makes the result quasi-affine (``o % 4`` is ``o - 4 * (o // 4)``). Anything else (a
+comparison or branch on the index, ``//`` of a sum, indexing a table, converting to
+``int``) raises :class:`Untraceable`, and the caller falls back to evaluating the mapping at
+every neuron.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ class Sym:
             raise Untraceable
         return self if other == 1 else Sym(Affine.of(quot_var(var, int(other))))
 
+    def __mod__(self, other):
+        """``index % q == index - q * (index // q)`` (a channel shuffle's ``o % g``)."""
+        return self - (self // other) * int(other)
+
     def __neg__(self):
         return Sym(self.aff * -1)
 
@@ -89,7 +94,7 @@ class Sym:
 
     __bool__ = __index__ = __int__ = __float__ = __eq__ = __ne__ = _refuse
     __lt__ = __le__ = __gt__ = __ge__ = __rfloordiv__ = _refuse
-    __mod__ = __rmod__ = __truediv__ = __rtruediv__ = __pow__ = __abs__ = _refuse
+    __rmod__ = __truediv__ = __rtruediv__ = __pow__ = __abs__ = _refuse
     __array__ = __iter__ = __len__ = __format__ = _refuse
 
 

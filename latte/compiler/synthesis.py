@@ -41,7 +41,7 @@ from latte.compiler.ir import (
     to_affine,
     walk,
 )
-from latte.compiler.mapping import ConnAccess, DimAccess, fit_index_map, sink_dim, sink_var
+from latte.compiler.mapping import ConnAccess, DimAccess, fit_index_map, sink_var
 from latte.compiler.symbolic import quot_var
 from latte.compiler.verify import verify_neuron
 from latte.errors import CompileError
@@ -80,10 +80,10 @@ def _index(e: Expr) -> Expr:
     return to_affine(e) or e
 
 
-def _bounds(lo: Affine, step: int, length: int, shape: tuple[int, ...]) -> tuple[int, int]:
-    """Min and max of ``lo + step * t`` over the sink box and ``0 <= t < length`` (a
-    quotient ``d // q`` runs over ``0 .. (n-1) // q``)."""
-    box = {v: (0, (shape[sink_dim(v)[0]] - 1) // sink_dim(v)[1]) for v in lo.vars}
+def _bounds(lo: Affine, step: int, length: int, box: dict) -> tuple[int, int]:
+    """Min and max of ``lo + step * t`` over the sink loops' ``box`` and ``0 <= t < length``
+    (``lo`` in the loop variables: exact, the strip-mined halves of a dimension being
+    independent where ``d`` and ``d // q`` are not)."""
     lo_min, lo_max = lo.bounds(box)
     span = step * (length - 1)
     return lo_min + min(0, span), lo_max + max(0, span)
@@ -120,6 +120,7 @@ class _Synth:
             self.sink[sink_var(i)] = Affine.build({g: q, r: 1})
             self.sink[quot_var(sink_var(i), q)] = Affine.of(g)
         self.own = tuple(self.sink[sink_var(i)] for i in range(len(ens.shape)))
+        self.box = {v: (0, n - 1) for loops in self.loops for v, n, _ in loops}
         self.merged = [merged_access(a) if a.dims is not None else None for a in accesses]
         self.delin: dict[str, _Delin] = {}
         self.index_maps = {name: fit_index_map(ens, f) for name, f in ens.fields.items()}
@@ -280,7 +281,7 @@ class _Synth:
             lo = self.sinkify(a.lo)
             pos = lo + t * a.step if isinstance(t, Affine) else BinOp("+", lo, BinOp("*", t, Const(a.step)))
             index.append(pos)
-            lo_b, hi_b = _bounds(a.lo, a.step, a.length, self.ens.shape)
+            lo_b, hi_b = _bounds(lo, a.step, a.length, self.box)
             if lo_b < 0:
                 conds.append(Compare(">=", pos, Const(0)))
             if hi_b >= src_view[g]:
