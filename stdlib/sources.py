@@ -145,14 +145,21 @@ class ArraySource:
 
     def reset(self, phase: Phase) -> None:
         """Start ``phase`` over from its first batch (the test pass does, every epoch)."""
+        pending = self._pending.get(phase)
+        if phase is Phase.TEST and pending is not None and pending[1][0] in (0, self._end(phase)):
+            return   # the batch read ahead is the first one (test batches draw nothing)
         self._drop(phase)
         self.cursor[phase] = 0
+
+    def _end(self, phase: Phase) -> int:
+        """Where an epoch of ``phase`` ends, in samples of the global batch order."""
+        return self.batches_per_epoch(phase) * self.batch * self.ranks
 
     def _plan(self, phase: Phase) -> Plan:
         """The next batch of ``phase``: advances the cursor (main thread only)."""
         n, b = self.num_samples(phase), self.batch * self.ranks   # the global batch
         start = self.cursor[phase]
-        if start >= self.batches_per_epoch(phase) * b:   # a new epoch
+        if start >= self._end(phase):   # a new epoch
             start = 0
             if phase is Phase.TRAIN:
                 self.epoch[phase] += 1

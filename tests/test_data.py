@@ -12,6 +12,7 @@ import pytest
 from helpers import WeightedSumLoss, softmax_xent
 
 from latte import Net, Phase
+from latte.check import check
 from latte.errors import DataError, ShapeError
 from latte.solvers import SGD, LRPolicy, SolverParameters, solve
 from latte.stdlib import (
@@ -226,6 +227,17 @@ def test_hdf5_file_list_with_caffe_labels_equals_the_arrays(tmp_path):
     np.testing.assert_array_equal(h5.value(data), X[6:10])
 
 
+def test_hdf5_float_targets(tmp_path):
+    rng = np.random.default_rng(11)
+    X, Y = rng.standard_normal((5, 3)).astype(np.float32), rng.random((5, 2, 2))
+    net = Net(5, seed=0)
+    data, target = HDF5DataLayer(net, _write(tmp_path / "t.h5", X, Y), shuffle=False)
+    assert target.shape == (2, 2)
+    EuclideanLossLayer("loss", net, FullyConnectedLayer("fc", net, data, 4), target)
+    net.forward()
+    np.testing.assert_array_equal(net.value(target), Y.astype(np.float32))
+
+
 def test_hdf5_errors_name_the_file_and_sample(tmp_path):
     X = np.zeros((6, 3), np.float32)
     X[4, 1] = np.inf
@@ -367,9 +379,9 @@ def test_background_thread_gives_the_same_batches_and_ends():
     X = rng.standard_normal((10, 2, 4, 4)).astype(np.float32)
     y = np.arange(10) % 3
     nets = [_augmented_net(X, y, prefetch) for prefetch in (True, False)]
-    for step in range(8):
-        for phase in (Phase.TRAIN, Phase.TEST) if step % 3 == 2 else (Phase.TRAIN,):
-            if phase is Phase.TEST:
+    for step in range(8):   # every third step a whole test pass (2 batches) after training
+        for k, phase in enumerate([Phase.TRAIN] + [Phase.TEST] * (2 if step % 3 == 2 else 0)):
+            if k == 1:
                 for _, data, _ in nets:
                     data.source.reset(Phase.TEST)
             for net, _, _ in nets:
@@ -394,3 +406,21 @@ def test_background_thread_gives_the_same_batches_and_ends():
     for t in new:
         t.join(10)   # told to end: it finishes at once, having nothing to do
         assert not t.is_alive()
+
+
+def _regression(opt_level: int, **kwargs) -> Net:
+    """Float targets from a data layer, both target losses, a sigmoid between."""
+    rng = np.random.default_rng(10)
+    X = rng.standard_normal((6, 5)).astype(np.float32)
+    net = Net(3, opt_level=opt_level, seed=1, **kwargs)
+    data, target = ArrayDataLayer(net, (X, rng.random((6, 4)).astype(np.float32)))
+    fc = FullyConnectedLayer("fc", net, data, 4)
+    EuclideanLossLayer("l2", net, fc, target)
+    SigmoidCrossEntropyLossLayer("bce", net, FullyConnectedLayer("fc2", net, fc, 4), target)
+    return net
+
+
+def test_latte_check_passes_on_target_losses():
+    """``latte check``: level 3 against level 0, level 0 against finite differences."""
+    report = check(_regression(3), _regression(0, profile=True))
+    assert report.rows and not report.failed(), report.format()
