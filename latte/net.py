@@ -176,19 +176,16 @@ class Net(Graph):
 
     def update(self, lr: float, momentum: float = 0.0, regu_coef: float = 0.0, *,
                rule: UpdateRule = SGD_RULE, scalars: dict | None = None,
-               clip_gradients: float | None = None, check_finite: bool = False) -> list[str]:
+               clip_gradients: float | None = None) -> None:
         """One solver step, compiled: by default SGD,
         ``hist = mom*hist + lr*lr_mult*(grad + regu*decay_mult*param); param -= hist``.
         A solver passes its ``rule`` (:mod:`latte.compiler.update`) and the values of the
         rule's own ``scalars`` (a float, or one per parameter); ``clip_gradients`` first
-        scales all gradients so that their global L2 norm is at most that. With
-        ``check_finite``, returns the names of the parameters that hold a NaN or an
-        infinity after the step (:meth:`nonfinite_params`); else an empty list."""
+        scales all gradients so that their global L2 norm is at most that."""
         self._ready()
         columns = {"lr": [lr * p.lr_mult for p in self.params], "mom": momentum,
                    "l2": [regu_coef * p.decay_mult for p in self.params], **(scalars or {})}
         self._updater.update(rule, columns, clip_gradients)
-        return self._updater.nonfinite() if check_finite else []
 
     def compile_update(self, rule: UpdateRule = SGD_RULE) -> None:
         """Compile the update of ``rule`` and the reductions around it (``solve`` calls this

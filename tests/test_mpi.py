@@ -17,13 +17,14 @@ MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shuti
 pytestmark = [pytest.mark.mpi,
               pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")]
 
-# a tiny MLP trained by solve(); B, OUT and FAIL_AT come from the environment
+# a tiny MLP trained by solve(); B, OUT, FAIL_AT, SOLVER and CLIP come from the environment
 SCRIPT = textwrap.dedent('''
     import json, os
     import numpy as np
     from latte import Net
+    from latte import solvers
     from latte.runtime import distributed
-    from latte.solvers import SGD, LRPolicy, MomPolicy, SolverParameters, solve
+    from latte.solvers import LRPolicy, MomPolicy, SolverParameters, solve
     from latte.stdlib import (AccuracyLayer, ArrayDataLayer, FullyConnectedLayer, ReLULayer,
                               SoftmaxLossLayer)
 
@@ -41,14 +42,16 @@ SCRIPT = textwrap.dedent('''
     if os.path.exists(snapshot):        # resume
         net.load(snapshot)
 
-    class Failing(SGD):
+    class Failing(getattr(solvers, os.environ.get("SOLVER", "SGD"))):
         def step(self, net, iteration):
             if iteration == fail_at and distributed.rank() == 1:
                 raise RuntimeError("injected failure")
             super().step(net, iteration)
 
     params = SolverParameters(LRPolicy.Fixed(0.1), MomPolicy.Fixed(0.9), max_epoch=4,
-                              regu_coef=0.001, snapshot_dir=out)
+                              regu_coef=0.001, snapshot_dir=out,
+                              clip_gradients=float(os.environ["CLIP"]) if "CLIP" in os.environ
+                              else None)
     hist = solve(Failing(params), net)
     if distributed.rank() == 0:
         np.savez(os.path.join(out, "params.npz"), **{p.name: p.value for p in net.params})
@@ -79,10 +82,13 @@ def _results(out):
     return params, json.loads((out / "history.json").read_text())
 
 
-def test_two_ranks_train_like_one_process_at_twice_the_batch(tmp_path):
-    one, out1 = _run(tmp_path, 1, 16, "one")
+@pytest.mark.parametrize("solver", [{}, {"SOLVER": "Adam", "CLIP": 0.1}],
+                         ids=["sgd", "adam_clipped"])
+def test_two_ranks_train_like_one_process_at_twice_the_batch(tmp_path, solver):
+    """Gradients are reduced over ranks before the update (and the clipping norm)."""
+    one, out1 = _run(tmp_path, 1, 16, "one", **solver)
     assert one.returncode == 0, one.stderr
-    two, out2 = _run(tmp_path, 2, 8, "two")
+    two, out2 = _run(tmp_path, 2, 8, "two", **solver)
     assert two.returncode == 0, two.stderr
     p1, h1 = _results(out1)
     p2, h2 = _results(out2)

@@ -72,12 +72,10 @@ class Solver:
     def scalars(self, net, iteration: int) -> dict:
         return {}
 
-    def step(self, net, iteration: int, check_finite: bool = False) -> list[str]:
-        """One update; with ``check_finite``, the names of the parameters it left non-finite."""
+    def step(self, net, iteration: int) -> None:
         p = self.params
-        return net.update(p.lr_policy(iteration), p.mom_policy(iteration), p.regu_coef,
-                          rule=self.rule, scalars=self.scalars(net, iteration),
-                          clip_gradients=p.clip_gradients, check_finite=check_finite)
+        net.update(p.lr_policy(iteration), p.mom_policy(iteration), p.regu_coef, rule=self.rule,
+                   scalars=self.scalars(net, iteration), clip_gradients=p.clip_gradients)
 
 
 class SGD(Solver):

@@ -105,7 +105,8 @@ def solve(solver: Solver, net, progress=None) -> History:
                 raise TrainingError(f"the loss became {loss} at iteration {it} (epoch {epoch}); "
                                     "lower the learning rate or check the data")
             net.backward()
-            bad = solver.step(net, it, check_finite=True)
+            solver.step(net, it)
+            bad = net.nonfinite_params()
             if bad:
                 raise TrainingError(f"parameter {bad[0]!r} became non-finite (NaN or inf) at "
                                     f"iteration {it} (epoch {epoch}); lower the learning rate, "
