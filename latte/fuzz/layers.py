@@ -14,7 +14,18 @@ from typing import Callable
 
 import numpy as np
 
-from latte.lang import Ensemble, add_connections
+from latte.lang import DataEnsemble, Ensemble, add_connections
+from latte.stdlib import (
+    AddLayer,
+    ConcatLayer,
+    ELULayer,
+    GlobalAveragePoolingLayer,
+    LeakyReLULayer,
+    LRNLayer,
+    MulLayer,
+    PReLULayer,
+    SoftmaxLayer,
+)
 from latte.stdlib.batchnorm import BatchNormLayer
 from latte.stdlib.convolution import ConvolutionLayer, UnbiasedNeuron
 
@@ -41,6 +52,43 @@ def pick(rng: np.random.Generator, items: list):
 
 
 LAYERS: list[Layer] = []
+
+
+# ---- element-wise, pooling, normalization and joining layers (issue 11, item 1)
+def _leaky_or_elu(rng, net, name, src, pool):
+    if rng.random() < 0.5:
+        return LeakyReLULayer(name, net, src, slope=float(rng.choice([0.0, 0.01, 0.3])))
+    return ELULayer(name, net, src, alpha=float(rng.choice([0.0, 0.5, 1.0])))
+
+
+def _lrn(rng, net, name, src, pool):
+    return LRNLayer(name, net, src, size=int(rng.integers(1, 6)), alpha=float(rng.choice([1e-4, 0.5])),
+                    beta=float(rng.choice([0.5, 0.75, 1.5])), k=float(rng.choice([1.0, 2.0])))
+
+
+def _join(rng, net, name, src, pool):
+    return (AddLayer if rng.random() < 0.5 else MulLayer)(name, net, src, pick(rng, same_shape(pool, src)))
+
+
+def _concat(rng, net, name, src, pool):
+    """``src`` and one or two ensembles of ``pool`` that differ from it only along an axis."""
+    axis = int(rng.integers(len(src.shape)))
+    fits = [e for e in pool if len(e.shape) == len(src.shape)
+            and all(a == b for j, (a, b) in enumerate(zip(e.shape, src.shape)) if j != axis)]
+    parts = [src] + [pick(rng, fits) for _ in range(int(rng.integers(1, 3)))]
+    return ConcatLayer(name, net, [parts[i] for i in rng.permutation(len(parts))], axis=axis)
+
+
+LAYERS.extend([
+    Layer("leakyelu", lambda src: not isinstance(src, DataEnsemble), _leaky_or_elu),
+    Layer("prelu", lambda src: True, lambda rng, net, name, src, pool: PReLULayer(name, net, src)),
+    Layer("gap", lambda src: len(src.shape) == 3, lambda rng, net, name, src, pool:
+          GlobalAveragePoolingLayer(name, net, src)),
+    Layer("softmax", lambda src: True, lambda rng, net, name, src, pool: SoftmaxLayer(name, net, src)),
+    Layer("lrn", lambda src: True, _lrn),
+    Layer("join", lambda src: True, _join),
+    Layer("concat", lambda src: True, _concat),
+])
 
 
 # ---- batch normalization (issue 11, item 1)
