@@ -293,3 +293,13 @@ def test_snapshot_of_another_net_is_refused(tmp_path):
     wide.save(tmp_path / "wide.npz")
     with pytest.raises(LatteError, match="'value/fc.weights' has shape"):
         net.load(tmp_path / "wide.npz")
+
+
+def test_a_net_without_parameters_trains():
+    rng = np.random.default_rng(1)
+    net = Net(8, seed=0)
+    data, label = ArrayDataLayer(net, (rng.standard_normal((32, 4)).astype(np.float32),
+                                       rng.integers(0, 4, 32)))
+    SoftmaxLossLayer("loss", net, ReLULayer("relu", net, data), label)
+    history = solve(Adam(SolverParameters(clip_gradients=1.0)), net)
+    assert len(history.train_loss) == 4 and net.params == [] and net.grad_norm() == 0.0

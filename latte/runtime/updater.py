@@ -88,6 +88,8 @@ class Updater:
         all parameters or one value per parameter); ``clip`` scales the gradients so that
         their global L2 norm is at most ``clip``."""
         upd = self.compile(rule)
+        if not self.params:
+            return
         scal = upd.owned[("update", "scalars")]
         for j, name in enumerate(rule.columns):
             if name != "clip":
