@@ -114,7 +114,7 @@ def _resnet(lib: ModuleType, net, x, n_classes: int, block, depths: tuple[int, .
         for i in range(depth):
             stride = 2 if stage > 0 and i == 0 else 1
             x = block(lib, f"layer{stage + 1}_{i}", net, x, scaled(64 << stage, width), stride)
-    x = lib.GlobalAveragePoolingLayer("pool5", net, x)
+    x = lib.GlobalAveragePoolingLayer("avgpool", net, x)
     return lib.FullyConnectedLayer("fc", net, x, n_classes)
 
 
@@ -170,8 +170,8 @@ def inception(net, x, n_classes: int, *, width: float = 1.0, dropout: float = 0.
         if block in ("4a", "5a"):
             x = lib.MaxPoolingLayer(f"pool{block[0]}", net, x, 3, 2, 1)
         x = inception_block(lib, f"inception_{block}", net, x, tuple(c(n) for n in widths))
-    x = lib.GlobalAveragePoolingLayer("pool5", net, x)
-    x = _dropout(lib, "pool5_drop", net, x, dropout)
+    x = lib.GlobalAveragePoolingLayer("avgpool", net, x)
+    x = _dropout(lib, "avgpool_drop", net, x, dropout)
     return lib.FullyConnectedLayer("fc", net, x, n_classes)
 
 
@@ -185,7 +185,7 @@ def digits_resnet(net, x, n_classes: int, *, width: float = 1.0, lib: ModuleType
             stride = 2 if stage > 0 and i == 0 else 1
             x = basic_block(lib, f"layer{stage + 1}_{i}", net, x, scaled(32 << stage, width),
                             stride)
-    x = lib.GlobalAveragePoolingLayer("pool", net, x)
+    x = lib.GlobalAveragePoolingLayer("avgpool", net, x)
     return lib.FullyConnectedLayer("fc", net, x, n_classes)
 
 

@@ -37,29 +37,32 @@ class Node:
 
 class TwinNet(nn.Module):
     """A graph of torch modules built by zoo functions in place of a latte ``Net``; calling
-    it runs the steps in the order they were added and returns ``self.output``'s value."""
+    it runs the steps in the order they were added and returns ``self.output``'s value.
+    Steps refer to modules by name, so ``copy.deepcopy``, ``.float()`` and ``.to(...)``
+    give a working twin."""
 
     def __init__(self, input_shape: tuple[int, ...], *, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.dtype = dtype
         self.input = Node("data", tuple(input_shape))
         self.output: Node | None = None
         self.layers = nn.ModuleDict()
-        self.steps: list[tuple[Node, Callable, list[Node]]] = []
-        self.params: dict[str, torch.Tensor] = {}   # latte name -> torch parameter
-        self.state: dict[str, torch.Tensor] = {}    # latte name -> torch buffer
+        self.steps: list[tuple[Node, Callable | None, list[Node]]] = []
+        self.build_dtype = dtype
+        self.param_names: dict[str, tuple[str, str]] = {}   # latte name -> (layer, attribute)
+        self.state_names: dict[str, tuple[str, str]] = {}
 
-    def add(self, name: str, shape, fn: Callable, inputs: list[Node],
+    def add(self, name: str, shape, inputs: list[Node], fn: Callable | None = None,
             module: nn.Module | None = None, params: dict[str, str] | None = None,
             state: dict[str, str] | None = None) -> Node:
-        """A step ``fn(*inputs)`` producing ``name``; ``module`` (if any) is registered, and
-        its tensors ``params`` / ``state`` (latte field -> torch attribute) named for latte."""
+        """A step computing ``name`` from ``inputs``: ``fn(*inputs)``, or ``module``
+        (registered under ``name``) whose ``params`` and ``state`` (latte field -> torch
+        attribute path) are named for latte."""
+        if name == self.input.name or any(node.name == name for node, _, _ in self.steps):
+            raise ValueError(f"a step named {name!r} already exists in this twin")
         if module is not None:
-            self.layers[name] = module.to(self.dtype)
-            for field, attr in (params or {}).items():
-                self.params[f"{name}.{field}"] = getattr(module, attr)
-            for field, attr in (state or {}).items():
-                self.state[f"{name}.{field}"] = getattr(module, attr)
+            self.layers[name] = module.to(self.build_dtype)
+            self.param_names |= {f"{name}.{f}": (name, a) for f, a in (params or {}).items()}
+            self.state_names |= {f"{name}.{f}": (name, a) for f, a in (state or {}).items()}
         node = Node(name, tuple(int(d) for d in shape))
         self.steps.append((node, fn, list(inputs)))
         return node
@@ -67,8 +70,23 @@ class TwinNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         values = {self.input.name: x}
         for node, fn, inputs in self.steps:
-            values[node.name] = fn(*(values[i.name] for i in inputs))
+            values[node.name] = (fn or self.layers[node.name])(*(values[i.name] for i in inputs))
         return values[self.output.name]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' type (after ``.float()``, float32)."""
+        return next(self.parameters()).dtype
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """Each parameter by latte name."""
+        return {k: self.layers[m].get_parameter(a) for k, (m, a) in self.param_names.items()}
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """Each state buffer (batch norm's running statistics) by latte name."""
+        return {k: self.layers[m].get_buffer(a) for k, (m, a) in self.state_names.items()}
 
     @torch.no_grad()
     def load_from(self, net) -> None:
@@ -83,8 +101,7 @@ class TwinNet(nn.Module):
 
     def grads(self) -> dict[str, np.ndarray]:
         """Each parameter's gradient, by latte name, as a float64 array."""
-        return {name: t.grad.detach().numpy().astype(np.float64)
-                for name, t in self.params.items()}
+        return {name: t.grad.detach().double().numpy() for name, t in self.params.items()}
 
 
 def _spatial(name: str, net: TwinNet, x: Node, module: nn.Module, channels: int,
@@ -94,7 +111,7 @@ def _spatial(name: str, net: TwinNet, x: Node, module: nn.Module, channels: int,
     (kh, kw), (sy, sx), (py, px), (dy, dx) = map(pair, (kernel, stride, pad, dilation))
     h = (x.shape[1] + 2 * py - dy * (kh - 1) - 1) // sy + 1
     w = (x.shape[2] + 2 * px - dx * (kw - 1) - 1) // sx + 1
-    return net.add(name, (channels, h, w), module, [x], module, **tensors)
+    return net.add(name, (channels, h, w), [x], module=module, **tensors)
 
 
 def ConvolutionLayer(name, net: TwinNet, x: Node, n_filters, kernel, stride=1, pad=0, *,
@@ -105,9 +122,9 @@ def ConvolutionLayer(name, net: TwinNet, x: Node, n_filters, kernel, stride=1, p
 
 
 def FullyConnectedLayer(name, net: TwinNet, x: Node, n_outputs) -> Node:
-    fc = nn.Linear(x.size, n_outputs)
-    return net.add(name, (n_outputs,), lambda v: fc(v.flatten(1)), [x], fc,
-                   params={"weights": "weight", "bias": "bias"})
+    fc = nn.Sequential(nn.Flatten(), nn.Linear(x.size, n_outputs))
+    return net.add(name, (n_outputs,), [x], module=fc,
+                   params={"weights": "1.weight", "bias": "1.bias"})
 
 
 def MaxPoolingLayer(name, net: TwinNet, x: Node, kernel, stride=None, pad=0) -> Node:
@@ -123,34 +140,32 @@ def MeanPoolingLayer(name, net: TwinNet, x: Node, kernel, stride=None, pad=0) ->
 
 
 def GlobalAveragePoolingLayer(name, net: TwinNet, x: Node) -> Node:
-    return net.add(name, x.shape[:1], lambda v: v.mean(dim=(2, 3)), [x])
+    return net.add(name, x.shape[:1], [x], lambda v: v.mean(dim=(2, 3)))
 
 
 def BatchNormLayer(name, net: TwinNet, x: Node, *, eps=1e-5, momentum=0.1) -> Node:
     bn = (nn.BatchNorm2d if len(x.shape) == 3 else nn.BatchNorm1d)(x.shape[0], eps, momentum)
-    return net.add(name, x.shape, bn, [x], bn, params={"scale": "weight", "shift": "bias"},
+    return net.add(name, x.shape, [x], module=bn, params={"scale": "weight", "shift": "bias"},
                    state={"running_mean": "running_mean", "running_var": "running_var"})
 
 
 def LRNLayer(name, net: TwinNet, x: Node, size=5, alpha=1e-4, beta=0.75, k=1.0) -> Node:
-    lrn = nn.LocalResponseNorm(size, alpha, beta, k)
-    return net.add(name, x.shape, lrn, [x], lrn)
+    return net.add(name, x.shape, [x], module=nn.LocalResponseNorm(size, alpha, beta, k))
 
 
 def ReLULayer(name, net: TwinNet, x: Node) -> Node:
-    return net.add(name, x.shape, F.relu, [x])
+    return net.add(name, x.shape, [x], F.relu)
 
 
 def DropoutLayer(name, net: TwinNet, x: Node, ratio=0.5) -> Node:
-    drop = nn.Dropout(ratio)
-    return net.add(name, x.shape, drop, [x], drop)
+    return net.add(name, x.shape, [x], module=nn.Dropout(ratio))
 
 
 def AddLayer(name, net: TwinNet, a: Node, b: Node) -> Node:
-    return net.add(name, a.shape, torch.add, [a, b])
+    return net.add(name, a.shape, [a, b], torch.add)
 
 
 def ConcatLayer(name, net: TwinNet, inputs: list[Node], axis=0) -> Node:
     shape = list(inputs[0].shape)
     shape[axis] = sum(i.shape[axis] for i in inputs)
-    return net.add(name, shape, lambda *vs: torch.cat(vs, dim=axis + 1), inputs)
+    return net.add(name, shape, inputs, lambda *vs: torch.cat(vs, dim=axis + 1))

@@ -1,0 +1,33 @@
+"""AlexNet (Krizhevsky et al., as Caffe's bvlc_alexnet) on synthetic images.
+
+Five convolutions, the 2nd, 4th and 5th in two groups, local response normalization after the
+first two, three max poolings and FC 4096-4096 with dropout (``latte.zoo.alexnet``).
+Each class of the synthetic data is a random template plus noise (examples/synthetic.py),
+so the loss falls within the default two epochs.
+
+Run it with ``latte run examples/alexnet.py`` (``--max-epoch N``, ``--threads N``,
+``--opt-level L``, ``--profile``), print the compiler's plan with ``latte explain
+examples/alexnet.py``, or train at ImageNet's size with ``python examples/alexnet.py --size 224``
+(``--batch B``, ``--batches N``). The default input is 67x67.
+"""
+
+from synthetic import CLASSES, options, report, synthetic_split
+
+from latte import Net
+from latte.solvers import SGD, LRPolicy, MomPolicy, SolverParameters, solve
+from latte.stdlib import AccuracyLayer, ArrayDataLayer, SoftmaxLossLayer
+from latte.zoo import alexnet
+
+opts = options(__doc__, size=67)
+train, test = synthetic_split(opts)
+
+net = Net(opts.batch, seed=0)
+data, label = ArrayDataLayer(net, train, test=test, shuffle=True)
+logits = alexnet(net, data, CLASSES)
+loss = SoftmaxLossLayer("loss", net, logits, label)
+acc = AccuracyLayer("accuracy", net, logits, label)
+
+params = SolverParameters(lr_policy=LRPolicy.Fixed(0.005), mom_policy=MomPolicy.Fixed(0.9),
+                          max_epoch=2, regu_coef=0.0005)
+history = solve(SGD(params), net)
+print(report(history))
