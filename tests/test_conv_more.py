@@ -110,6 +110,7 @@ def test_groups_are_gemms(opt_level):
             assert (gemms[0].m, gemms[0].k) == (filters // groups, channels // groups * 9)
     text = explain_program(net.program)
     assert "forward: 1 GEMM match" in text and "gather table" not in text
+    assert f"quasi-affine, strip-mined dim 0 (size {filters}) by {filters // groups}" in text
 
 
 def _sink_points(shape):

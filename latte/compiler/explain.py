@@ -74,6 +74,9 @@ def explain_program(program) -> str:
         out.append(f"== ensemble {ens.name!r}: {ens.neuron_type.__name__} x {ens.shape}")
         for k, acc in enumerate(plan.accesses):
             kind = "affine" if acc.dims is not None else "gather table"
+            if acc.quotients():   # floor divisions of sink dimensions, strip-mined
+                kind = "quasi-affine, strip-mined " + ", ".join(
+                    f"{_dims(ens, (d,))} by {q}" for d, q in acc.quotients().items())
             pad = "" if acc.in_bounds else f", padded with {acc.conn.padding:g}"
             out.append(f"  input {k} from {acc.conn.source.name!r}: {acc.length} values per "
                        f"neuron ({kind}{pad}); shared along {_dims(ens, acc.shared_dims())}")
