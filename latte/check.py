@@ -29,6 +29,8 @@ CLOSE = 1e-3           # level L against level 0: max |L - 0| / max |0| per arra
 FD_RTOL = 5e-2         # level 0 against finite differences, relative to the probe's scale
 LOSS_CHANGES = (1e-2, 1e-3, 1e-1)   # how far a probe moves the loss, in the order tried
 MAX_STEP = 0.1                      # the largest probe step, relative to the entries
+ROUNDING = 16.0                     # float32 roundings in a gradient entry, per term summed
+LOSS_RESOLUTION = 1e-5              # the smallest loss change float32 resolves, relative
 
 
 @dataclass
@@ -131,7 +133,8 @@ def check(net: Net, ref: Net, *, seed: int = 0, probes: int = 1) -> Report:
                 if _has_grad(ref, r):
                     _worst(rows[r.name], "grad", _diff(net.grad(e), ref.grad(r)))
             for p, q in zip(net.params, ref.params, strict=True):
-                _worst(rows[_owner(ref, q.name)], "grad", _diff(p.grad, q.grad))
+                owner = _owner(ref, q.name)
+                _worst(rows[owner], "grad", _diff(p.grad, q.grad, _grad_floor(ref, owner, q)))
             grads = {r: ref.grad(r).copy() for r in ref.ensembles if _has_grad(ref, r)}
             param_grads = {q.name: q.grad.copy() for q in ref.params}
 
@@ -240,10 +243,23 @@ def _has_grad(net: Net, ens) -> bool:
                                                  and not _is_label(net, ens))
 
 
-def _diff(got: np.ndarray, want: np.ndarray) -> float:
-    scale = float(np.max(np.abs(want), initial=0.0))
+def _diff(got: np.ndarray, want: np.ndarray, floor: float = 0.0) -> float:
+    """The largest error relative to ``want``'s largest entry (at least ``floor``)."""
+    scale = max(float(np.max(np.abs(want), initial=0.0)), floor)
     err = float(np.max(np.abs(got - want), initial=0.0))
     return err / scale if scale > 0 else (0.0 if err == 0 else np.inf)
+
+
+def _grad_floor(ref: Net, owner: str, param) -> float:
+    """The smallest scale a parameter gradient is judged at: the float32 rounding of summing
+    the ensemble's gradient over the batch and the neurons that share one parameter row (a
+    bias before a batch norm has a zero gradient, and both levels return rounding noise),
+    over the tolerance."""
+    if not _has_grad(ref, ref.ensemble(owner)):
+        return 0.0
+    rows = param.value.shape[0] if param.value.ndim else 1
+    total = float(np.abs(ref.grad(owner)).sum())
+    return ROUNDING * total / rows * float(np.finfo(np.float32).eps) / CLOSE
 
 
 def _worst(row: Row, column: str, err: float) -> None:
@@ -316,6 +332,7 @@ class _FiniteDifferences:
         signs = self.rng.choice(np.float32((-0.5, 0.5)), x.shape)
         d = (np.abs(x) + np.float32(rms or 1.0)) * (np.sign(g) + signs)
         norm = _dot(np.abs(g), np.abs(d))   # the slope's scale (then also the measured one)
+        resolved = LOSS_RESOLUTION * max(abs(loss(x)), 1.0)   # a smaller change is rounding
         for change in LOSS_CHANGES:
             t = min(MAX_STEP, change / norm) if norm > 0 else MAX_STEP
             errors = []
@@ -323,7 +340,7 @@ class _FiniteDifferences:
                 plus, minus = x + np.float32(step) * d, x - np.float32(step) * d
                 measured = (loss(plus) - loss(minus)) / (2 * step)
                 predicted = _dot(g, plus - minus) / (2 * step)   # the steps as rounded
-                norm = max(norm, abs(measured))
+                norm = max(norm, abs(measured), resolved / (2 * step))
                 errors.append((measured - predicted) / norm if norm > 0 else 0.0)
             if abs(errors[0] - errors[1]) <= FD_RTOL / 2:
                 return abs(errors[1])

@@ -146,6 +146,33 @@ def test_level_l_that_differs_from_level_0_is_named():
     assert report.failed()[0].grad == pytest.approx(0.01, rel=0.05) and CLOSE < 0.01
 
 
+def _conv_bn(opt_level: int, **kwargs) -> Net:
+    from latte.stdlib import BatchNormLayer, ConvolutionLayer, ReLULayer
+    net = Net(4, opt_level=opt_level, seed=3, **kwargs)
+    x = MemoryDataLayer(net, "x", (3, 8, 8))
+    label = MemoryDataLayer(net, "label", (1,))
+    conv = ConvolutionLayer("conv", net, x, 6, 3, pad=1)   # a bias before a batch norm
+    relu = ReLULayer("relu", net, BatchNormLayer("bn", net, conv))
+    SoftmaxLossLayer("loss", net, FullyConnectedLayer("fc", net, relu, 5), label)
+    return net
+
+
+def test_a_zero_gradient_is_judged_at_the_rounding_of_its_sum():
+    """The bias before a batch norm has a zero gradient: both levels return float32 noise,
+    which must not fail the check, while a 1% error in the weights still does."""
+    report = check(_conv_bn(3), _conv_bn(0, profile=True))
+    assert not report.failed(), report.format()
+    net, ref = _conv_bn(3), _conv_bn(0, profile=True)
+    original = net.backward
+
+    def backward():
+        original()
+        net.params[0].grad[...] *= 1.01
+    net.backward = backward
+    report = check(net, ref)
+    assert [r.name for r in report.failed()] == ["conv"], report.format()
+
+
 def test_check_feeds_labels_and_shares_parameters():
     net, ref = _mlp(2, seed=1), _mlp(0, seed=2, profile=True)
     check(net, ref, seed=5)
