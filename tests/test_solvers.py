@@ -281,6 +281,8 @@ def test_bad_arguments():
     rule = UpdateRule("bad", (), (), lambda p, g, s, k: {"param": p, "momentum": g})
     with pytest.raises(ValueError, match="'momentum'"):
         _net().update(0.1, rule=rule)
+    with pytest.raises(ValueError, match=r"state names \['value'\] are taken"):
+        UpdateRule("clash", ("value",), (), lambda p, g, s, k: {"param": p})
 
 
 def test_snapshot_of_another_net_is_refused(tmp_path):

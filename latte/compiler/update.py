@@ -39,6 +39,7 @@ from latte.compiler.ir import (
     UnaryOp,
     Var,
     accesses,
+    rewrite,
 )
 from latte.compiler.jit import CodeLibrary, target
 from latte.compiler.passes.parallel import MIN_FLAT, parallel
@@ -91,13 +92,18 @@ class UpdateRule:
     scalars: tuple[str, ...]
     fn: Callable[..., dict[str, Value]]
 
+    def __post_init__(self):
+        taken = {"value", "state", "param", "grad"} & set(self.state)   # snapshot keys, inputs
+        if taken:
+            raise ValueError(f"update rule {self.name!r}: state names {sorted(taken)} are taken")
+
     @property
     def columns(self) -> tuple[str, ...]:
         return COLUMNS + self.scalars
 
     def trace(self) -> tuple[tuple[str, Expr], ...]:
         """The new values, as IR over ``Var("param")``, ``Var("grad")``, ``Var("s_<state>")``
-        and ``Var("k_<scalar>")``; a key of the compiled code (equal rules trace equal)."""
+        and ``Var("k_<scalar>")``."""
         state = SimpleNamespace(**{s: Value(Var(f"s_{s}")) for s in self.state})
         k = SimpleNamespace(**{c: Value(Var(f"k_{c}")) for c in self.columns})
         out = self.fn(Value(Var("param")), Value(Var("grad")), state, k)
@@ -160,25 +166,13 @@ def _update_kernel(rule: UpdateRule, traced, p: ParamBuffers, row: int, scal: Bu
     body = [Assign(Var("_p"), Load(targets["param"])),
             Assign(Var("_g"), BinOp("+", BinOp("*", Load(ref(p.grad)), scalar["k_clip"]),
                                     BinOp("*", scalar["k_l2"], Var("_p"))))]
-    body += [Assign(Var(f"_new_{name}"), _bind(e, names)) for name, e in traced]
+    bind = lambda n: names[n.name] if isinstance(n, Var) else None  # noqa: E731
+    body += [Assign(Var(f"_new_{name}"), rewrite(e, bind)) for name, e in traced]
     body += [Assign(targets[name], Var(f"_new_{name}")) for name, _ in traced]
     loop = Loop(var, 0, p.value.size, Block(tuple(body)))
     if threads > 1 and loop.extent >= MIN_FLAT:   # each iteration updates its own element
         loop = parallel(loop, 1)
     return Kernel(f"{rule.name}_update", Block((loop,)), None, "update")
-
-
-def _bind(e: Expr, names: dict[str, Expr]) -> Expr:
-    """``e`` with the rule's named inputs replaced by their loads."""
-    if isinstance(e, Var):
-        return names[e.name]
-    if isinstance(e, BinOp):
-        return BinOp(e.op, _bind(e.lhs, names), _bind(e.rhs, names))
-    if isinstance(e, UnaryOp):
-        return UnaryOp(e.op, _bind(e.operand, names))
-    if isinstance(e, Call):
-        return Call(e.fn, tuple(_bind(a, names) for a in e.args))
-    return e
 
 
 def reduction_code(params: list[ParamBuffers], threads: int, opt_level: int) -> UpdateCode:
