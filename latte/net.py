@@ -106,8 +106,9 @@ class Net(Graph):
         self.params = []
         for ens, name in self.program.params:
             f = ens.fields[name]
-            self.params.append(Parameter(f"{ens.name}.{name}", self._memory[bufs.field(ens, name)],
-                                         self._memory[bufs.field_grad(ens, name)],
+            value, grad = (self._memory[b].reshape(f.given_shape)   # the shape the user gave
+                           for b in (bufs.field(ens, name), bufs.field_grad(ens, name)))
+            self.params.append(Parameter(f"{ens.name}.{name}", value, grad,
                                          f.spec.lr_mult, f.spec.decay_mult))
         self._updater = Updater(self.params, [ParamBuffers(p.name, bufs.field(e, n),
                                                            bufs.field_grad(e, n))

@@ -106,7 +106,7 @@ def test_prelu_parameter():
     PReLULayer("pr", net, MemoryDataLayer(net, "x", (3, 2, 2)))
     net.init()
     (slope,) = net.params
-    assert slope.name == "pr.slope" and slope.value.size == 3
+    assert slope.name == "pr.slope" and slope.value.shape == (3,)   # the shape given
     np.testing.assert_array_equal(slope.value, 0.25)
 
 

@@ -21,6 +21,7 @@ class FieldData:
     array: np.ndarray
     index_map: Callable[..., Any] | None  # None: leading dims are the ensemble's shape
     lead_ndim: int                         # array dims that select a neuron's vector
+    given_shape: tuple[int, ...] = ()      # the array's shape as given (a Param's .value shape)
 
     @property
     def vector_shape(self) -> tuple[int, ...]:
@@ -106,9 +107,10 @@ class Ensemble(BaseEnsemble):
             if array.ndim < lead:
                 raise ShapeError(f"ensemble {self.name!r}: field {fname!r} index_map returns {lead} "
                                  f"indices but the array has only {array.ndim} dims")
+        given = array.shape
         if array.ndim == lead:  # a scalar per neuron is a vector of one
             array = array.reshape(array.shape + (1,))
-        return FieldData(fname, spec, array, index_map, lead)
+        return FieldData(fname, spec, array, index_map, lead, given)
 
     @property
     def params(self) -> list[FieldData]:

@@ -73,7 +73,7 @@ class Reference:
         for ens in self._neuron_ensembles():
             for name, f in ens.fields.items():
                 if f.spec.kind is FieldKind.PARAM:
-                    self.params[_key(ens, name)] = np.array(f.array, np.float64)
+                    self.params[_key(ens, name)] = np.array(f.array, np.float64).reshape(f.given_shape)
                 elif f.spec.kind is FieldKind.BATCH:
                     self.fields[_key(ens, name)] = np.broadcast_to(
                         f.array.astype(np.float64), (self.batch, *f.array.shape)).copy()
