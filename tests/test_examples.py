@@ -43,3 +43,9 @@ def test_lenet(tmp_path):
 def test_vgg_micro(tmp_path):
     stdout = _run_example("vgg_micro.py", tmp_path)
     assert re.search(r"[0-9.]+ ms per training iteration", stdout)
+
+
+def test_digits_resnet(tmp_path):
+    pytest.importorskip("sklearn")
+    stdout = _run_example("digits_resnet.py", tmp_path)   # the full 15 epochs
+    assert _accuracy(stdout) >= 0.98   # 99.4% here

@@ -1,0 +1,256 @@
+"""The model zoo on the CPU: latte against PyTorch eager (NCHW and channels_last) and
+onnxruntime.
+
+    python benchmarks/zoo.py [--nets alexnet vgg16 resnet18 resnet50] [--size 224]
+                             [--threads 1 2] [--repeat 10] [--quick] [--stock-malloc]
+
+Per net (``latte.zoo``, 1000 classes, float32): inference at batch 1 (a test-phase forward;
+onnxruntime runs the PyTorch twin exported to ONNX in a temporary folder) and one SGD
+training step at batch 16 (forward, softmax loss, backward, update with momentum; dropout
+as the net has it), at each thread count. Every (net, mode, framework, threads) runs in a
+worker process of its own, so the peak memory column is that worker's peak resident set
+(the interpreter and the framework's libraries included). The table gives median
+milliseconds, GFLOP/s (multiply-adds of convolutions and FC layers counted twice; a
+training step as three forwards) and other/latte (above 1: latte is faster). A latte worker
+first runs once on an empty compile cache (cold ``net.init()``), then again on the filled
+one (warm), and is timed in that second run. Validate at small settings, e.g.
+``--size 64 --nets alexnet --repeat 2 --threads 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import KEEP_FREED_MEMORY, OtherLoad, emit, median_ms, table  # noqa: E402
+from init_time import cpu_name  # noqa: E402
+
+NETS = ("alexnet", "vgg16", "resnet18", "resnet50")
+FRAMEWORKS = ("latte", "torch", "torch-cl", "onnxruntime")
+MODES = {"inference": 1, "training": 16}    # mode: batch size
+CLASSES = 1000
+
+
+# ------------------------------------------------------------------ the nets
+def latte_net(name: str, size: int, batch: int, training: bool, threads: int):
+    """The zoo net in latte, compiled (``init_s``: the time ``net.init()`` took)."""
+    from latte import Net  # noqa: PLC0415
+    from latte.stdlib import MemoryDataLayer, SoftmaxLossLayer  # noqa: PLC0415
+    from latte.zoo import NETS as ZOO  # noqa: PLC0415
+
+    net = Net(batch, num_threads=threads, seed=0)
+    data = MemoryDataLayer(net, "data", (3, size, size))
+    data.needs_grad = False   # an image, as in torch: no input gradient
+    logits = ZOO[name](net, data, CLASSES)
+    if training:
+        label = MemoryDataLayer(net, "label", (1,))
+        SoftmaxLossLayer("loss", net, logits, label)
+    start = time.perf_counter()
+    net.init()
+    init_s = time.perf_counter() - start
+    rng = np.random.default_rng(0)
+    net.value(data)[...] = rng.standard_normal(net.value(data).shape)
+    if training:
+        net.value(label)[:, 0] = rng.integers(0, CLASSES, batch)
+    return net, init_s
+
+
+def torch_twin(name: str, size: int):
+    """The zoo net's PyTorch twin (float32, PyTorch's own initialization)."""
+    import torch  # noqa: PLC0415
+
+    from latte.zoo import NETS as ZOO  # noqa: PLC0415
+    from latte.zoo import torch_twin as lib  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    twin = lib.TwinNet((3, size, size))
+    twin.output = ZOO[name](twin, twin.input, CLASSES, lib=lib)
+    return twin
+
+
+def gflop(name: str, size: int) -> float:
+    """GFLOP of one sample's forward: 2 x the multiply-adds of every convolution and FC."""
+    from torch import nn  # noqa: PLC0415
+
+    twin, total = torch_twin(name, size), 0
+    for node, _, _ in twin.steps:
+        layer = twin.layers[node.name] if node.name in twin.layers else None
+        if isinstance(layer, nn.Conv2d):
+            kh, kw = layer.kernel_size
+            total += 2 * node.size * layer.in_channels // layer.groups * kh * kw
+        elif isinstance(layer, nn.Sequential) and isinstance(layer[1], nn.Linear):
+            total += 2 * layer[1].in_features * layer[1].out_features
+    return total / 1e9
+
+
+# ------------------------------------------------------------------ workers
+def latte_worker(args) -> dict:
+    training = args.mode == "training"
+    net, init_s = latte_net(args.net, args.size, MODES[args.mode], training, args.threads[0])
+    if args.compile_only:
+        return {"init_s": init_s}
+    from latte import Phase  # noqa: PLC0415
+
+    def step():
+        net.forward()
+        net.backward()
+        net.update(0.01, 0.9, 0.0005)
+
+    fn = step if training else (lambda: net.forward(Phase.TEST))
+    return {"ms": median_ms(fn, args.warmup, args.repeat), "init_s": init_s,
+            "from_cache": bool(net.program.library.from_cache)}
+
+
+def torch_worker(args) -> dict:
+    import torch  # noqa: PLC0415
+
+    torch.set_num_threads(args.threads[0])
+    batch, twin = MODES[args.mode], torch_twin(args.net, args.size)
+    x = torch.randn(batch, 3, args.size, args.size)
+    if args.worker == "torch-cl":
+        twin, x = twin.to(memory_format=torch.channels_last), x.to(
+            memory_format=torch.channels_last)
+    if args.mode == "inference":
+        twin.eval()
+
+        def fn():
+            with torch.inference_mode():
+                twin(x)
+    else:
+        y = torch.randint(0, CLASSES, (batch,))
+        opt = torch.optim.SGD(twin.parameters(), lr=0.01, momentum=0.9, weight_decay=0.0005)
+
+        def fn():
+            opt.zero_grad(set_to_none=False)
+            torch.nn.functional.cross_entropy(twin.train()(x), y).backward()
+            opt.step()
+    return {"ms": median_ms(fn, args.warmup, args.repeat),
+            "note": f"torch {torch.__version__}"}
+
+
+def ort_worker(args) -> dict | None:
+    if args.mode != "inference":
+        return None
+    import onnxruntime as ort  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    twin = torch_twin(args.net, args.size).eval()
+    x = torch.randn(1, 3, args.size, args.size)
+    folder = tempfile.mkdtemp(prefix="latte-zoo-onnx-")
+    try:
+        path = os.path.join(folder, f"{args.net}.onnx")
+        torch.onnx.export(twin, (x,), path, input_names=["data"], dynamo=False)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = args.threads[0]
+        session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    feed = {"data": x.numpy()}
+    return {"ms": median_ms(lambda: session.run(None, feed), args.warmup, args.repeat),
+            "note": f"onnxruntime {ort.__version__}"}
+
+
+def worker(args) -> None:
+    run = {"latte": latte_worker, "onnxruntime": ort_worker}.get(args.worker, torch_worker)
+    result = run(args)
+    if result is not None:
+        result["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        emit(result)
+
+
+# ------------------------------------------------------------------ driver
+def run(args, framework: str, net: str, mode: str, threads: int, cache: str,
+        compile_only: bool = False) -> dict | None:
+    cmd = [sys.executable, __file__, "--worker", framework, "--net", net, "--mode", mode,
+           "--threads", str(threads), "--size", str(args.size), "--repeat", str(args.repeat),
+           "--warmup", str(args.warmup)] + (["--compile-only"] if compile_only else [])
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), LATTE_CACHE_DIR=cache,
+               **({} if args.stock_malloc else KEEP_FREED_MEMORY))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        print(f"[{framework} {net} {mode} x{threads} failed]\n{out.stderr[-2000:]}",
+              file=sys.stderr)
+        return None
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
+
+
+def vector_width() -> str:
+    import llvmlite.binding as llvm  # noqa: PLC0415
+
+    features = llvm.get_host_cpu_features()
+    bits = 512 if features.get("avx512f") else 256 if features.get("avx") else 128
+    return f"{bits}-bit vectors ({llvm.get_host_cpu_name()})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nets", nargs="*", default=list(NETS), choices=NETS)
+    ap.add_argument("--size", type=int, default=224, help="input height and width")
+    ap.add_argument("--threads", type=int, nargs="*", default=[1, 2])
+    ap.add_argument("--frameworks", nargs="*", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 2 repetitions")
+    ap.add_argument("--stock-malloc", action="store_true",
+                    help="leave glibc malloc as it is (see harness.KEEP_FREED_MEMORY)")
+    ap.add_argument("--worker", default=None, help="internal: run one measurement")
+    ap.add_argument("--net", default=None, help="internal: the worker's net")
+    ap.add_argument("--mode", default=None, choices=list(MODES), help="internal")
+    ap.add_argument("--compile-only", action="store_true", help="internal")
+    args = ap.parse_args()
+    if args.quick:
+        args.repeat, args.warmup = 2, 1
+    if args.worker:
+        return worker(args)
+    load, rows = OtherLoad(), []
+    for net in args.nets:
+        flop = gflop(net, args.size)
+        for mode, batch in MODES.items():
+            work = flop * batch * (3 if mode == "training" else 1)
+            for threads in args.threads:
+                rows += _rows(args, net, mode, threads, work)
+    print(f"latte.zoo nets at {args.size}x{args.size}, {CLASSES} classes, float32; median of "
+          f"{args.repeat} after {args.warmup} warm-up; {cpu_name()}, {os.cpu_count()} CPUs, "
+          f"{vector_width()}; {'stock' if args.stock_malloc else 'warm'} malloc")
+    print(table(rows, ["net", "mode (batch)", "threads", "framework", "ms", "GFLOP/s",
+                       "other/latte", "peak MiB", "compile cold s", "compile warm s", "notes"]))
+    print(load.note())
+
+
+def _rows(args, net: str, mode: str, threads: int, work: float) -> list[list[str]]:
+    """One row per framework for one (net, mode, threads)."""
+    rows, latte_ms = [], None
+    for framework in args.frameworks:
+        cache = tempfile.mkdtemp(prefix="latte-zoo-")
+        try:
+            cold = (run(args, framework, net, mode, threads, cache, compile_only=True)
+                    if framework == "latte" else None)
+            result = run(args, framework, net, mode, threads, cache)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+        if result is None:
+            continue
+        latte_ms = result["ms"] if framework == "latte" else latte_ms
+        ratio = f"{result['ms'] / latte_ms:.2f}" if latte_ms and framework != "latte" else "-"
+        note = result.get("note", "" if result.get("from_cache", True) else "cache missed")
+        rows.append([net, f"{mode} ({MODES[mode]})", str(threads), framework,
+                     f"{result['ms']:.1f}", f"{work / result['ms'] * 1e3:.1f}", ratio,
+                     f"{result['peak_mib']:.0f}",
+                     f"{cold['init_s']:.1f}" if cold else "-",
+                     f"{result['init_s']:.2f}" if "init_s" in result else "-", note])
+    return rows
+
+
+if __name__ == "__main__":
+    main()
