@@ -3,7 +3,8 @@
 Five convolutions, the 2nd, 4th and 5th in two groups, local response normalization after the
 first two, three max poolings and FC 4096-4096 with dropout (``latte.zoo.alexnet``).
 Each class of the synthetic data is a random template plus noise (examples/synthetic.py),
-so the loss falls within the default two epochs.
+so a net can learn it; the default two epochs of eight batches show the speed, and
+``--max-epoch N`` trains longer.
 
 Run it with ``latte run examples/alexnet.py`` (``--max-epoch N``, ``--threads N``,
 ``--opt-level L``, ``--profile``), print the compiler's plan with ``latte explain

@@ -4,7 +4,8 @@ A stem with local response normalization, nine inception blocks (1x1, 3x3 and 5x
 convolutions and a pooling branch joined by a concat) between max poolings, global average
 pooling, dropout and FC, without the auxiliary classifiers (``latte.zoo.inception``).
 Each class of the synthetic data is a random template plus noise (examples/synthetic.py),
-so the loss falls within the default two epochs.
+so a net can learn it; the default two epochs of eight batches show the speed, and
+``--max-epoch N`` trains longer.
 
 Run it with ``latte run examples/inception.py`` (``--max-epoch N``, ``--threads N``,
 ``--opt-level L``, ``--profile``), print the compiler's plan with ``latte explain

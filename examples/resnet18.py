@@ -4,7 +4,8 @@ A 7x7 stem, four stages of two basic blocks (convolutions without bias, batch no
 residual adds, 1x1 projection shortcuts where the shape changes), global average pooling
 and FC (``latte.zoo.resnet18``).
 Each class of the synthetic data is a random template plus noise (examples/synthetic.py),
-so the loss falls within the default two epochs.
+so a net can learn it; the default two epochs of eight batches show the speed, and
+``--max-epoch N`` trains longer.
 
 Run it with ``latte run examples/resnet18.py`` (``--max-epoch N``, ``--threads N``,
 ``--opt-level L``, ``--profile``), print the compiler's plan with ``latte explain

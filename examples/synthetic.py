@@ -1,7 +1,7 @@
 """Synthetic images and command-line options shared by the model-zoo examples.
 
-The images are learnable, so a few epochs show training working: each class has a fixed
-random template, and a sample is its class's template plus as much Gaussian noise.
+The images are learnable: each class has a fixed random template, and a sample is its
+class's template plus as much Gaussian noise.
 ``python examples/NET.py --size 224`` trains at ImageNet's size; under ``latte run`` (which
 runs the script without its own arguments) the defaults apply.
 """

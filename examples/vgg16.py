@@ -3,7 +3,8 @@
 Thirteen 3x3 convolutions in five blocks, each ending in a 2x2 max pooling, and FC 4096-4096
 with dropout (``latte.zoo.vgg16``).
 Each class of the synthetic data is a random template plus noise (examples/synthetic.py),
-so the loss falls within the default two epochs.
+so a net can learn it; the default two epochs of eight batches show the speed, and
+``--max-epoch N`` trains longer.
 
 Run it with ``latte run examples/vgg16.py`` (``--max-epoch N``, ``--threads N``,
 ``--opt-level L``, ``--profile``), print the compiler's plan with ``latte explain
