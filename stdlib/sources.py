@@ -60,8 +60,9 @@ class Rows:
         chunks = []
         for part, lo, hi in zip(self.parts, starts, self.ends, strict=True):
             mine = uniq[(uniq >= lo) & (uniq < hi)] - lo
-            if len(mine):
-                chunks.append(np.asarray(part[mine]))
+            if len(mine):   # a run of indices (unshuffled batches) is one slice: fast in h5py
+                run = mine[-1] - mine[0] + 1 == len(mine)
+                chunks.append(np.asarray(part[mine[0]:mine[-1] + 1] if run else part[mine]))
         return np.concatenate(chunks)[inverse.reshape(-1)]
 
 
