@@ -30,6 +30,7 @@ from latte.lang import Phase
 from latte.runtime import distributed
 
 _SALT = 0x6C617474   # keeps a source's stream apart from others seeded by the net's seed
+CHUNK = 4096         # samples per step of a whole-set check: little memory for a large set
 
 
 class Rows:
@@ -66,13 +67,12 @@ class Rows:
         return np.concatenate(chunks)[inverse.reshape(-1)]
 
 
-def first_bad(x: np.ndarray, chunk: int = 4096) -> int | None:
-    """The first sample of ``x`` holding a nan or an inf (None: all finite). Reads
-    ``chunk`` samples at a time, so the check of a large set needs little memory."""
+def first_bad(x: np.ndarray) -> int | None:
+    """The first sample of ``x`` holding a nan or an inf (None: all finite)."""
     if x.dtype.kind not in "fc":
         return None
-    for lo in range(0, len(x), chunk):
-        bad = ~np.isfinite(x[lo:lo + chunk].reshape(min(chunk, len(x) - lo), -1)).all(axis=1)
+    for lo in range(0, len(x), CHUNK):
+        bad = ~np.isfinite(x[lo:lo + CHUNK].reshape(min(CHUNK, len(x) - lo), -1)).all(axis=1)
         if bad.any():
             return lo + int(np.argmax(bad))
     return None
@@ -197,14 +197,17 @@ class ArraySource:
         else:
             want = f"in [{bounds[0]:g}, {bounds[1]:g}]"
         for _, rows in self.sets.values():
-            y = np.asarray(rows.take(np.arange(len(rows))), np.float64).reshape(len(rows), -1)
-            if classes is not None:
-                bad = (y < 0) | (y >= classes) | (y != np.floor(y))
-            else:
-                bad = (y < bounds[0]) | (y > bounds[1])
-            if bad.any():
-                i, j = np.unravel_index(int(np.argmax(bad)), bad.shape)
-                raise DataError(f"{who}: {rows.where(int(i))}: label {y[i, j]:g} is not {want}")
+            for lo in range(0, len(rows), CHUNK):
+                idx = np.arange(lo, min(lo + CHUNK, len(rows)))
+                y = np.asarray(rows.take(idx), np.float64).reshape(len(idx), -1)
+                if classes is not None:
+                    bad = (y < 0) | (y >= classes) | (y != np.floor(y))
+                else:
+                    bad = (y < bounds[0]) | (y > bounds[1])
+                if bad.any():
+                    i, j = np.unravel_index(int(np.argmax(bad)), bad.shape)
+                    raise DataError(f"{who}: {rows.where(lo + int(i))}: label {y[i, j]:g} is "
+                                    f"not {want}")
 
     # ------------------------------------------------------------ loading
     def _job(self, phase: Phase) -> Callable[[], Batch]:

@@ -288,6 +288,21 @@ def test_labels_outside_the_classes_are_named_when_the_loss_is_built(bad, where)
         SoftmaxLossLayer("loss", net, FullyConnectedLayer("fc", net, data, 3), label)
 
 
+def test_bad_values_past_the_first_chunk_are_found():
+    """Whole-set checks go a chunk of samples at a time: the index is the set's."""
+    X = np.zeros((9000, 2), np.float32)
+    y = np.zeros(9000)
+    y[8500] = 4
+    X[5000, 1] = np.nan
+    with pytest.raises(DataError, match=r"train X, sample 5000:"):
+        ArrayDataLayer(Net(2), (X, y))
+    X[5000, 1] = 0.0
+    net = Net(2)
+    data, label = ArrayDataLayer(net, (X, y))
+    with pytest.raises(DataError, match=r"train y, sample 8500: label 4 "):
+        AccuracyLayer("acc", net, data, label)
+
+
 def test_test_labels_outside_the_classes_are_named_before_training():
     net = Net(2)
     y = np.zeros(4)
