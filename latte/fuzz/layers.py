@@ -19,11 +19,14 @@ from latte.stdlib import (
     AddLayer,
     ConcatLayer,
     ELULayer,
+    EuclideanLossLayer,
     GlobalAveragePoolingLayer,
     LeakyReLULayer,
     LRNLayer,
     MulLayer,
     PReLULayer,
+    SigmoidCrossEntropyLossLayer,
+    SigmoidLayer,
     SoftmaxLayer,
 )
 from latte.stdlib.batchnorm import BatchNormLayer
@@ -142,3 +145,16 @@ LAYERS.extend([
     Layer("conv", image, _conv),
     Layer("quotient", lambda src: src.size <= 256, _quotient),
 ])
+
+
+# ---- losses against a target ensemble (issue 11, item 1): the target is a computed
+# ensemble (its gradient is checked too); the cross-entropy's goes through a sigmoid
+def _target_loss(rng, net, name, src, pool):
+    others = [e for e in same_shape(pool, src) if e is not src] or [src]
+    target = pick(rng, others)
+    if rng.random() < 0.5 or isinstance(target, DataEnsemble):
+        return EuclideanLossLayer(name, net, src, target)
+    return SigmoidCrossEntropyLossLayer(name, net, src, SigmoidLayer(f"{name}t", net, target))
+
+
+LAYERS.append(Layer("targetloss", lambda src: True, _target_loss))
