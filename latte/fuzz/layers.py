@@ -25,9 +25,11 @@ from latte.stdlib import (
     LRNLayer,
     MulLayer,
     PReLULayer,
+    ReLULayer,
     SigmoidCrossEntropyLossLayer,
     SigmoidLayer,
     SoftmaxLayer,
+    TanhLayer,
 )
 from latte.stdlib.batchnorm import BatchNormLayer
 from latte.stdlib.convolution import ConvolutionLayer, UnbiasedNeuron
@@ -55,6 +57,15 @@ def pick(rng: np.random.Generator, items: list):
 
 
 LAYERS: list[Layer] = []
+
+
+def _activation(rng, net, name, src, pool):
+    """An in-place activation on any computed ensemble: one already read, or itself an
+    activation, gets a copy to work on."""
+    return pick(rng, [ReLULayer, TanhLayer, SigmoidLayer])(name, net, src)
+
+
+LAYERS.append(Layer("act", lambda src: not isinstance(src, DataEnsemble), _activation))
 
 
 # ---- element-wise, pooling, normalization and joining layers (issue 11, item 1)
