@@ -37,15 +37,13 @@ from latte.stdlib.pooling import (
 )
 from latte.stdlib.transforms import Mirror, Normalize, RandomCrop, Transform
 
-__all__ = ["AccuracyLayer", "ArrayDataLayer", "ConvolutionLayer", "DropoutEnsemble", "DropoutLayer",
-           "DropoutNeuron", "FullyConnectedLayer", "HDF5DataLayer", "MaxNeuron", "MaxPoolingLayer",
-           "MeanNeuron", "MeanPoolingLayer", "MemoryDataLayer", "ReLULayer", "ReLUNeuron",
-           "SigmoidLayer", "SigmoidNeuron", "SoftmaxLossLayer", "TanhLayer", "TanhNeuron",
-           "WeightedNeuron", "xavier"]
-__all__ += ["AddLayer", "AddNeuron", "ConcatLayer", "ELULayer", "ELUNeuron", "GlobalAveragePoolingLayer",
-            "LeakyReLULayer", "LeakyReLUNeuron", "LogSumExpNeuron", "LRNLayer", "LRNNeuron", "MulLayer",
-            "MulNeuron", "PReLULayer", "PReLUNeuron", "SoftmaxLayer", "SoftmaxNeuron"]
-__all__ += ["BatchNormLayer"]
-__all__ += ["EuclideanLossLayer", "Mirror", "Normalize", "RandomCrop", "SigmoidCrossEntropyLossLayer",
-            "Transform"]
-__all__ += ["UnbiasedNeuron"]
+__all__ = ["AccuracyLayer", "AddLayer", "AddNeuron", "ArrayDataLayer", "BatchNormLayer",
+           "ConcatLayer", "ConvolutionLayer", "DropoutEnsemble", "DropoutLayer", "DropoutNeuron",
+           "ELULayer", "ELUNeuron", "EuclideanLossLayer", "FullyConnectedLayer",
+           "GlobalAveragePoolingLayer", "LeakyReLULayer", "LeakyReLUNeuron", "LogSumExpNeuron",
+           "LRNLayer", "LRNNeuron", "MaxNeuron", "MaxPoolingLayer", "MeanNeuron",
+           "MeanPoolingLayer", "MemoryDataLayer", "Mirror", "MulLayer", "MulNeuron", "Normalize",
+           "PReLULayer", "PReLUNeuron", "RandomCrop", "ReLULayer", "ReLUNeuron",
+           "SigmoidCrossEntropyLossLayer", "SigmoidLayer", "SigmoidNeuron", "SoftmaxLayer",
+           "SoftmaxLossLayer", "SoftmaxNeuron", "TanhLayer", "TanhNeuron", "Transform",
+           "UnbiasedNeuron", "WeightedNeuron", "xavier"]
