@@ -520,3 +520,22 @@ def test_a_producer_with_two_readers_ends_its_group(threads):
     for g in net.program.groups:
         names = [p.ensemble.name for p in g.plans]
         assert "c1" not in names[:-1], names   # nothing fuses after c1
+
+
+@_net(batch=2)
+def pointwise_then_padded(net):
+    """A 1x1 conv (its nests are not tiled: one tile is its whole image) fused with a padded
+    3x3 conv (a halo: the schedule is skewed). The 1x1 conv's backward GEMMs need all of the
+    input gradient the 3x3 conv's tiles write: they once ran before the tile loop and
+    returned zeros (found by the model zoo's GoogLeNet test)."""
+    x = MemoryDataLayer(net, "x", (8, 8, 8))
+    a = ConvolutionLayer("a", net, x, 4, 1)
+    b = ConvolutionLayer("b", net, a, 6, 3, 1, 1)
+    WeightedSumLoss(net, "loss", b)
+    return x, None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_untiled_member_of_a_skewed_group_runs_after_the_tiles(threads):
+    net = _compare(pointwise_then_padded, threads)
+    assert [g.name for g in net.program.groups] == ["a+b"]

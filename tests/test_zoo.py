@@ -65,15 +65,7 @@ def _randomize(net, rng: np.random.Generator) -> None:
             p.value[...] = 1.0 + 0.2 * rng.standard_normal(p.value.shape)
 
 
-# fusion at opt level 3 drops the backward of a 1x1 convolution followed by a 3x3 one with
-# padding (GoogLeNet's reduce layers): its weight and input gradients come out zero
-FUSION_BUG = pytest.mark.xfail(strict=True, reason="opt 3: conv 1x1 -> conv 3x3 pad 1 loses "
-                               "the first conv's backward")
-
-
-@pytest.mark.parametrize(("name", "opt_level"), [
-    pytest.param(n, level, marks=FUSION_BUG if (n, level) == ("inception", 3) else ())
-    for n in CASES for level in (0, 3)])
+@pytest.mark.parametrize(("name", "opt_level"), [(n, level) for n in CASES for level in (0, 3)])
 def test_zoo_net_equals_torch(name, opt_level):
     channels, size, _ = CASES[name]
     net = Net(BATCH, opt_level=opt_level, seed=0)

@@ -40,6 +40,7 @@ from latte.compiler.ir import (
     walk,
 )
 from latte.compiler.mapping import tile_local
+from latte.errors import CompileError
 from latte.compiler.passes.localize import drop_stores
 from latte.compiler.passes.tiling import (
     FLOAT_BYTES,
@@ -278,7 +279,11 @@ def merge(group: Group, phase: str) -> Kernel:
     lags = [group.lag(p, phase) for p in plans]
     nests = [(lag, s) for p, lag in zip(plans, lags) for s in p.kernels[phase].body.stmts
              if tile_loop(s) is not None]
-    others = tuple(s for p in plans for s in p.kernels[phase].body.stmts if tile_loop(s) is None)
+    split = _untiled([s for p in plans for s in p.kernels[phase].body.stmts])
+    if split is None:
+        raise CompileError(f"fused group {group.name}: a statement without tiles depends on "
+                           "tiles both before and after it (check mergeable() first)")
+    before, after = split
     batch, tile = nests[0][1], nests[0][1].body.stmts[0]
     skew = max(lags)
     body: list = []
@@ -297,7 +302,42 @@ def merge(group: Group, phase: str) -> Kernel:
     fused = replace(tile, stop=tile.extent + skew, body=Block(tuple(body)),
                     meta=tile.meta + (("skew", skew),))
     nest = replace(batch, body=Block((fused,)))
-    return replace(first, name=name, body=Block((*others, nest)))
+    return replace(first, name=name, body=Block((*before, nest, *after)))
+
+
+def mergeable(group: Group) -> bool:
+    """Whether :func:`merge` can order each phase's statements without tiles (below)."""
+    return all(_untiled([s for p in group.plans for s in p.kernels[ph].body.stmts]) is not None
+               for ph in ("forward", "backward"))
+
+
+def _untiled(stmts: list) -> tuple[list, list] | None:
+    """The statements without a tile loop (zeroing, a member's nests that were not tiled),
+    split into those that run before the skewed tile loop and those that run after it. A
+    statement runs before when that moves it past no tiled statement it conflicts with (it
+    touches nothing they write and writes nothing they read), else after when that is legal
+    (a 1x1 conv's backward GEMMs need the whole input gradient the next conv's tiles write);
+    None when neither is."""
+    tiled = [i for i, s in enumerate(stmts) if tile_loop(s) is not None]
+    before, after = [], []
+    for i, s in enumerate(stmts):
+        if tile_loop(s) is not None:
+            continue
+        if _commutes(s, [stmts[j] for j in tiled if j < i]):
+            before.append(s)
+        elif _commutes(s, [stmts[j] for j in tiled if j > i]):
+            after.append(s)
+        else:
+            return None
+    return before, after
+
+
+def _commutes(s, others: list) -> bool:
+    mine = accesses(s)
+    written = {a.buffer for a in mine if a.written}
+    touched = {a.buffer for a in mine}
+    return not any(written & {a.buffer for a in accesses(t)}
+                   or touched & {a.buffer for a in accesses(t) if a.written} for t in others)
 
 
 def planner_chain(plans) -> list:

@@ -20,7 +20,7 @@ from latte.compiler import schedule
 from latte.compiler.buffers import BufferPlan
 from latte.compiler.codegen import ModuleBuilder
 from latte.compiler.fingerprint import fingerprint
-from latte.compiler.fusion import ROW_DIM, fusion_groups, keep_or_recompute, merge
+from latte.compiler.fusion import ROW_DIM, fusion_groups, keep_or_recompute, merge, mergeable
 from latte.compiler.graph_checks import check_graph
 from latte.compiler.ir import Block, Kernel, Ref, walk
 from latte.compiler.jit import target
@@ -126,7 +126,9 @@ def _fold_zero_init(c: Compilation, kernel: Kernel) -> Kernel:
 
 def _fuse_groups(c: Compilation) -> None:
     """Each fused group's kernels become one, run by its owner; what backward needs (a
-    pool's arg-max) is kept, or recomputed per tile if that moves fewer bytes."""
+    pool's arg-max) is kept, or recomputed per tile if that moves fewer bytes. A group whose
+    untiled statements cannot be ordered around its skewed tile loop is not fused."""
+    c.groups = [g for g in c.groups if mergeable(g)]
     for group in c.groups:
         keep_or_recompute(group, c.bufs)
         for phase in PHASES:
