@@ -17,9 +17,7 @@ from latte.stdlib import (
     FullyConnectedLayer,
     HDF5DataLayer,
     MemoryDataLayer,
-    ReLULayer,
     SoftmaxLossLayer,
-    TanhLayer,
 )
 
 

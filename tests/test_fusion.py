@@ -31,8 +31,8 @@ from latte.stdlib import (
     MeanPoolingLayer,
     MemoryDataLayer,
     ReLULayer,
-    TanhLayer,
     SoftmaxLossLayer,
+    TanhLayer,
 )
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

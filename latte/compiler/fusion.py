@@ -40,7 +40,6 @@ from latte.compiler.ir import (
     walk,
 )
 from latte.compiler.mapping import tile_local
-from latte.errors import CompileError
 from latte.compiler.passes.localize import drop_stores
 from latte.compiler.passes.tiling import (
     FLOAT_BYTES,
@@ -52,6 +51,7 @@ from latte.compiler.passes.tiling import (
     tile_boxes,
     tile_loop,
 )
+from latte.errors import CompileError
 from latte.lang import ActivationEnsemble, FieldKind, NormalizationEnsemble
 
 ROW_DIM = 1   # ensembles are (channels, rows, cols): tiles are row planes
