@@ -12,23 +12,8 @@ examples/alexnet.py``, or train at ImageNet's size with ``python examples/alexne
 (``--batch B``, ``--batches N``). The default input is 67x67.
 """
 
-from synthetic import CLASSES, options, report, synthetic_split
+from synthetic import train
 
-from latte import Net
-from latte.solvers import SGD, LRPolicy, MomPolicy, SolverParameters, solve
-from latte.stdlib import AccuracyLayer, ArrayDataLayer, SoftmaxLossLayer
 from latte.zoo import alexnet
 
-opts = options(__doc__, size=67)
-train, test = synthetic_split(opts)
-
-net = Net(opts.batch, seed=0)
-data, label = ArrayDataLayer(net, train, test=test, shuffle=True)
-logits = alexnet(net, data, CLASSES)
-loss = SoftmaxLossLayer("loss", net, logits, label)
-acc = AccuracyLayer("accuracy", net, logits, label)
-
-params = SolverParameters(lr_policy=LRPolicy.Fixed(0.005), mom_policy=MomPolicy.Fixed(0.9),
-                          max_epoch=2, regu_coef=0.0005)
-history = solve(SGD(params), net)
-print(report(history))
+train(__doc__, alexnet, size=67, lr=0.005)

@@ -1,4 +1,5 @@
-"""Synthetic images and command-line options shared by the model-zoo examples.
+"""Synthetic images, command-line options and the training run shared by the model-zoo
+examples.
 
 The images are learnable: each class has a fixed random template, and a sample is its
 class's template plus as much Gaussian noise.
@@ -11,6 +12,10 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+
+from latte import Net
+from latte.solvers import SGD, LRPolicy, MomPolicy, SolverParameters, solve
+from latte.stdlib import AccuracyLayer, ArrayDataLayer, SoftmaxLossLayer
 
 CLASSES = 10
 
@@ -45,3 +50,20 @@ def report(history) -> str:
     first, last = history.train_loss[0], history.train_loss[-1]
     return (f"train loss {first:.3f} -> {last:.3f}, test accuracy: "
             f"{history.test_accuracy[-1]:.4f} after {len(history.test_accuracy)} epochs")
+
+
+def train(doc: str, build, size: int, lr: float) -> None:
+    """Train ``build(net, data, CLASSES)`` (a :mod:`latte.zoo` net returning its logits) on
+    synthetic images of ``size`` x ``size`` (``--size`` overrides it) with SGD, momentum 0.9
+    and rate ``lr``, for two epochs (``latte run --max-epoch N`` overrides them); print the
+    report."""
+    opts = options(doc, size)
+    train_set, test = synthetic_split(opts)
+    net = Net(opts.batch, seed=0)
+    data, label = ArrayDataLayer(net, train_set, test=test, shuffle=True)
+    logits = build(net, data, CLASSES)
+    SoftmaxLossLayer("loss", net, logits, label)
+    AccuracyLayer("accuracy", net, logits, label)
+    params = SolverParameters(lr_policy=LRPolicy.Fixed(lr), mom_policy=MomPolicy.Fixed(0.9),
+                              max_epoch=2, regu_coef=0.0005)
+    print(report(solve(SGD(params), net)))

@@ -17,12 +17,20 @@ and, failing those, counted as inconclusive, never as a disagreement.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from latte.lang import ActivationEnsemble, DataEnsemble, Ensemble, FieldKind, NormalizationEnsemble, Phase
+from latte.lang import (
+    ActivationEnsemble,
+    DataEnsemble,
+    Ensemble,
+    FieldKind,
+    NormalizationEnsemble,
+    Phase,
+    readers,
+)
 from latte.net import Net
 
 CLOSE = 1e-3           # level L against level 0: max |L - 0| / max |0| per array
@@ -363,16 +371,6 @@ def _step_ensemble(step):
     return kernels[0].ensemble
 
 
-def _readers(net: Net, ens) -> Iterator:
-    """What reads ``ens``'s values (and so sends it gradient): sinks of its connections,
-    normalization ensembles, in-place activations."""
-    for e in net.ensembles:
-        if (any(c.source is ens and c.sink is e for c in net.connections)
-                or isinstance(e, NormalizationEnsemble) and any(i is ens for i in e.inputs)
-                or isinstance(e, ActivationEnsemble) and e.source is ens):
-            yield e
-
-
 def _blame(net: Net, rows: dict[str, Row]) -> None:
     """Mark the ensembles whose backward is the likeliest origin of a wrong gradient: one
     whose parameter gradients are wrong while the gradient it receives is right; the readers
@@ -387,14 +385,14 @@ def _blame(net: Net, rows: dict[str, Row]) -> None:
         if row.fd_params is not None and not row.fd_params <= FD_RTOL and fine(e):
             row.suspect = True
         if row.fd_grad is not None and not row.fd_grad <= FD_RTOL:
-            chain, readers, todo = [], [], list(_readers(net, e))
+            chain, ends, todo = [], [], readers(net, e)
             while todo:
                 r = todo.pop(0)
                 if isinstance(r, ActivationEnsemble):
                     chain.append(r)
-                    todo += _readers(net, r)
+                    todo += readers(net, r)
                 else:
-                    readers.append(r)
-            if all(fine(r) for r in readers):
-                for r in chain + readers:
+                    ends.append(r)
+            if all(fine(r) for r in ends):
+                for r in chain + ends:
                     rows[r.name].suspect = True

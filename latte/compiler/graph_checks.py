@@ -4,7 +4,7 @@ correctly is an error naming the ensembles, never a silently wrong program."""
 from __future__ import annotations
 
 from latte.errors import MappingError
-from latte.lang import ActivationEnsemble, NormalizationEnsemble
+from latte.lang import sources
 from latte.lang.inplace import give_copies
 
 
@@ -15,15 +15,6 @@ def check_graph(net) -> None:
     give_copies(net)
 
 
-def _sources(net, ens) -> list:
-    """The ensembles ``ens`` reads, in a fixed order."""
-    if isinstance(ens, NormalizationEnsemble):
-        return list(ens.inputs)
-    if isinstance(ens, ActivationEnsemble):
-        return [ens.source]
-    return [c.source for c in net.connections_into(ens)]
-
-
 def _check_recurrence(net) -> None:
     recurrent = [c for c in net.connections if c.recurrent]
     if recurrent:
@@ -32,7 +23,7 @@ def _check_recurrence(net) -> None:
     order = {e: i for i, e in enumerate(net.ensembles)}
     state: dict = {}      # ensemble -> 1 while on the DFS stack, 2 when done
     for root in net.ensembles:
-        stack = [(root, iter(_sources(net, root)))]
+        stack = [(root, iter(sources(net, root)))]
         state[root] = state.get(root) or 1
         if state[root] == 2:
             continue
@@ -52,5 +43,5 @@ def _check_recurrence(net) -> None:
                                    "not implemented yet")
             elif state.get(src) is None and src in order:
                 state[src] = 1
-                stack.append((src, iter(_sources(net, src))))
+                stack.append((src, iter(sources(net, src))))
                 path.append(src)

@@ -18,7 +18,7 @@ import numpy as np
 from latte import ActivationEnsemble, Ensemble, add_connections
 from latte.fuzz.layers import LAYERS
 from latte.fuzz.neurons import ACTIVATIONS, activation_source, load_class, neuron_source
-from latte.lang import DataEnsemble, NormalizationEnsemble
+from latte.lang import DataEnsemble, sources
 from latte.stdlib import (
     ConvolutionLayer,
     DropoutLayer,
@@ -233,15 +233,6 @@ def _stdlib(rng, net, name: str, kind: str, src):
     return layer(name, net, src, k, stride, pad)
 
 
-def _sources(net, ens) -> list:
-    """The ensembles ``ens`` reads."""
-    if isinstance(ens, NormalizationEnsemble):
-        return list(ens.inputs)
-    if isinstance(ens, ActivationEnsemble):
-        return [ens.source]
-    return [c.source for c in net.connections_into(ens)]
-
-
 def _add_layers(rng, net, prefix: str, ens: list, readers: dict, sealed: set) -> None:
     """Zero to two layers of :data:`latte.fuzz.layers.LAYERS` over the case's ensembles,
     drawn from ``rng`` (a stream of their own: the generated layers stay as they were)."""
@@ -252,7 +243,7 @@ def _add_layers(rng, net, prefix: str, ens: list, readers: dict, sealed: set) ->
             return
         layer, src = choices[int(rng.integers(len(choices)))]
         new = layer.build(rng, net, f"{prefix}x{i}{layer.name}", src, pool)
-        for s in _sources(net, new):   # a layer may add helpers (softmax's log-sum-exp)
+        for s in sources(net, new):   # a layer may add helpers (softmax's log-sum-exp)
             readers[s.name] = readers.get(s.name, 0) + 1
         if isinstance(new, ActivationEnsemble):
             sealed.add(new.source.name)

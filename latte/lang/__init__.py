@@ -8,6 +8,8 @@ from latte.lang.ensemble import (
                                  Ensemble,
                                  FieldData,
                                  NormalizationEnsemble,
+                                 readers,
+                                 sources,
 )
 from latte.lang.graph import Graph, Phase
 from latte.lang.neuron import (
@@ -24,4 +26,4 @@ from latte.lang.neuron import (
 __all__ = ["ActivationEnsemble", "BaseEnsemble", "Batch", "Connection", "DataEnsemble",
            "Ensemble", "Field", "FieldData", "FieldKind", "FieldSpec", "Graph",
            "NormalizationEnsemble", "Neuron", "Param", "Phase", "add_connections", "defines_backward",
-           "field_specs"]
+           "field_specs", "readers", "sources"]

@@ -179,3 +179,18 @@ class DataEnsemble(BaseEnsemble):
     def __init__(self, net, name: str, shape, source):
         self.source = source
         super().__init__(net, name, shape)
+
+
+def sources(net, ens: BaseEnsemble) -> list[BaseEnsemble]:
+    """The ensembles whose values ``ens`` reads, in a fixed order: its connections' sources,
+    a normalization ensemble's inputs, an activation's source."""
+    if isinstance(ens, NormalizationEnsemble):
+        return list(ens.inputs)
+    if isinstance(ens, ActivationEnsemble):
+        return [ens.source]
+    return [c.source for c in net.connections_into(ens)]
+
+
+def readers(net, ens: BaseEnsemble) -> list[BaseEnsemble]:
+    """The ensembles of ``net`` that read ``ens``'s values, in net order."""
+    return [e for e in net.ensembles if any(s is ens for s in sources(net, e))]

@@ -12,7 +12,7 @@ they run the same graph.
 from __future__ import annotations
 
 from latte.lang.connection import add_connections
-from latte.lang.ensemble import ActivationEnsemble, Ensemble, NormalizationEnsemble
+from latte.lang.ensemble import ActivationEnsemble, Ensemble, readers
 from latte.lang.neuron import Neuron
 
 
@@ -26,25 +26,10 @@ class CopyNeuron(Neuron):
         self.grad_inputs[0][0] += self.grad
 
 
-def _readers(net, src) -> list:
-    """Every ensemble that reads ``src``'s values, in net order."""
-    out = []
-    for e in net.ensembles:
-        if isinstance(e, ActivationEnsemble):
-            reads = e.source is src
-        elif isinstance(e, NormalizationEnsemble):
-            reads = any(i is src for i in e.inputs)
-        else:
-            reads = any(c.source is src for c in net.connections_into(e))
-        if reads:
-            out.append(e)
-    return out
-
-
 def needs_copy(net, act: ActivationEnsemble) -> bool:
     """Whether ``act`` may not work in place on its source."""
     src = act.source
-    return isinstance(src, ActivationEnsemble) or _readers(net, src) != [act]
+    return isinstance(src, ActivationEnsemble) or readers(net, src) != [act]
 
 
 def give_copies(net) -> list[Ensemble]:
