@@ -24,6 +24,7 @@ from latte.overrides import pick
 from latte.runtime import distributed
 from latte.runtime.executor import Executor
 from latte.runtime.memory import Memory, aligned_zeros
+from latte.runtime.predict import predict
 from latte.runtime.profile import Profile
 from latte.runtime.updater import Updater
 from latte.solvers.algorithms import SGD_RULE
@@ -238,6 +239,14 @@ class Net(Graph):
         ``"bn1.running_mean"``), live: writing one changes the net."""
         return {k: v for e in self.ensembles if isinstance(e, NormalizationEnsemble)
                 for k, v in e.state.items()}
+
+    def predict(self, x, output=None) -> np.ndarray:
+        """A ``Phase.TEST`` forward over the samples ``x`` (``(n, *input_shape)``, any
+        ``n``, ``batch_size`` at a time) fed to the net's one input ensemble; returns a new
+        float32 array ``(n, *output.shape)`` of ``output``'s values (an ensemble or its
+        name; default: the input of the first loss layer, else the last ensemble added).
+        Data sources are not touched; the net's values are left as the last batch's."""
+        return predict(self, x, output)
 
     # ------------------------------------------------------------ checkpoints
     def save(self, path) -> None:
