@@ -44,3 +44,8 @@ class DataError(LatteError, OSError):
 
 class TrainingError(LatteError, FloatingPointError):
     """Training diverged (a NaN or infinite loss)."""
+
+
+class ModelImportError(LatteError, ValueError):
+    """An imported model (ONNX) is malformed or uses an operator, attribute or shape latte
+    cannot express; the message names the node and its op type."""
