@@ -49,3 +49,8 @@ class TrainingError(LatteError, FloatingPointError):
 class ModelImportError(LatteError, ValueError):
     """An imported model (ONNX) is malformed or uses an operator, attribute or shape latte
     cannot express; the message names the node and its op type."""
+
+
+class ExportError(LatteError, RuntimeError):
+    """A net cannot be exported as a C library (``latte export``): its output needs an
+    ensemble computed by Python code, or no C compiler is at hand."""

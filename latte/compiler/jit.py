@@ -90,16 +90,31 @@ class Target:
         obj = cache.load(key)
         if obj is not None:
             # the object carries every symbol: MCJIT needs a module, any will do
-            return CodeLibrary(self._engine(self._module(""), obj), True, key, None)
+            return CodeLibrary(self._engine(self._module(""), obj), True, key, None, speed)
         ir_text = build_ir()
+        engine, compiled = self._compile(ir_text, speed)
+        if len(compiled) == 1:
+            cache.store(key, compiled[0])
+        return CodeLibrary(engine, False, key, hashlib.sha256(ir_text.encode()).hexdigest(),
+                           speed)
+
+    def object_code(self, library: "CodeLibrary", build_ir: Callable[[], str]) -> bytes:
+        """The relocatable object ``library`` runs (``latte export`` links it into a shared
+        library: its calls to sgemm, libm and libgomp are references by name): the cached
+        one, else ``build_ir()`` compiled again as :meth:`library` compiled it."""
+        obj = cache.load(library.key)
+        if obj is None:
+            (obj,) = self._compile(build_ir(), library.speed)[1]   # MCJIT: one per module
+        return obj
+
+    def _compile(self, ir_text: str, speed: int):
+        """``ir_text`` parsed, verified, optimized at ``speed`` and JIT-compiled: the engine
+        and the object(s) MCJIT made of it."""
         module = self._module(ir_text)
         module.verify()
         self.optimize(module, speed)
         compiled: list[bytes] = []
-        engine = self._engine(module, None, compiled.append)
-        if len(compiled) == 1:
-            cache.store(key, compiled[0])
-        return CodeLibrary(engine, False, key, hashlib.sha256(ir_text.encode()).hexdigest())
+        return self._engine(module, None, compiled.append), compiled
 
     def _module(self, ir_text: str) -> llvm.ModuleRef:
         """``ir_text`` parsed, for this target (O3 needs the data layout)."""
@@ -121,10 +136,12 @@ class Target:
 class CodeLibrary:
     """A finalized JIT module: look up exported functions by name. ``key`` is its cache key,
     ``ir_digest`` the sha256 of its LLVM IR text (None when the object came from the cache and
-    the IR was never built); both are equal across processes for equal nets."""
+    the IR was never built); both are equal across processes for equal nets. ``speed``: the
+    LLVM optimization level it was compiled at."""
 
-    def __init__(self, engine, from_cache: bool, key: str, ir_digest: str | None):
+    def __init__(self, engine, from_cache: bool, key: str, ir_digest: str | None, speed: int = 3):
         self.engine, self.from_cache, self.key, self.ir_digest = engine, from_cache, key, ir_digest
+        self.speed = speed
 
     def address(self, name: str) -> int:
         addr = self.engine.get_function_address(name)

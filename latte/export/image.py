@@ -1,0 +1,153 @@
+"""What an exported model is made of: the test program's native code, the buffers it
+touches laid out in one arena, their constant contents, and where the samples go.
+
+:func:`model_image` reads a compiled net (after ``net.load`` of a snapshot, if any) and
+prepares it for inference as ``net.predict`` does: the ensembles that prepare fields for the
+test phase (dropout's all-ones mask) do so, and the host steps that do not read their
+inputs in ``Phase.TEST`` (a batch norm's running statistics) run once, here; their results
+become constants of the image. Any other host step the output needs would have to run in
+Python: that is an :class:`~latte.errors.ExportError` naming the ensemble.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from latte.compiler import HostStep, Segment
+from latte.compiler.ir import Buffer, accesses
+from latte.compiler.jit import target
+from latte.compiler.pipeline import llvm_ir
+from latte.errors import ExportError
+from latte.lang import Phase
+from latte.runtime.predict import PredictPlan, _plan
+
+ALIGN = 64   # as latte.runtime.memory: the generated code assumes nothing less
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One buffer of the table: its place in the arena and, when it does not start as
+    zeros, the place of its initial bytes in the blob."""
+
+    index: int
+    name: str
+    arena_offset: int
+    nbytes: int
+    blob_offset: int | None
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Where one sample's floats go in an ensemble's value buffer: ``outer`` runs (time
+    steps) of ``inner`` contiguous floats, item ``b``'s run ``t`` at element
+    ``offset + t * outer_stride + b * batch_stride`` of buffer slot ``slot``."""
+
+    ensemble: str
+    shape: tuple[int, ...]     # one sample, as predict takes or returns it
+    slot: int
+    offset: int
+    outer: int
+    outer_stride: int
+    batch_stride: int
+    inner: int
+
+    @property
+    def size(self) -> int:
+        return self.outer * self.inner
+
+
+@dataclass(frozen=True)
+class ModelImage:
+    """Everything the C driver needs: ``object_code`` defines ``segments`` (each
+    ``void seg(void **table)``), run in order per batch of ``batch_size`` items."""
+
+    object_code: bytes
+    segments: tuple[str, ...]
+    slots: tuple[Slot, ...]
+    table_size: int
+    arena_bytes: int
+    blob: bytes
+    batch_size: int
+    input: Samples
+    output: Samples
+    threads: int
+    blas_threads: int
+
+
+def model_image(net) -> ModelImage:
+    """The image of ``net``'s ``Phase.TEST`` forward to its default output, with its
+    parameters and state as they are now."""
+    net.init()
+    plan: PredictPlan = _plan(net, None)
+    program, memory = net.program, net._memory
+    bufs = program.buffers
+    _prepare(net, plan)
+    segments = [s for s in plan.steps if isinstance(s, Segment)]
+    constant = {bufs.value(s.ensemble) for s in plan.steps if isinstance(s, HostStep)}
+    index = {b: i for i, b in enumerate(bufs.buffers.values())}
+    used = sorted({a.buffer for s in segments for k in s.kernels for a in accesses(k.body)}
+                  | {bufs.value(plan.input), bufs.value(plan.output)}, key=index.__getitem__)
+    slots, blob, arena = [], bytearray(), 0
+    for buf in used:
+        data = memory[buf]
+        blob_offset = None
+        if _is_constant(buf, constant) and data.any():
+            blob += bytes(-len(blob) % ALIGN)
+            blob_offset = len(blob)
+            blob += data.tobytes()
+        slots.append(Slot(index[buf], buf.name, arena, data.nbytes, blob_offset))
+        arena += data.nbytes + (-data.nbytes % ALIGN)
+    threads = bufs.threads
+    obj = target().object_code(program.library,
+                               lambda: llvm_ir(program.segments(), index, threads))
+    return ModelImage(obj, tuple(s.name for s in segments), tuple(slots), len(index), arena,
+                      bytes(blob), net.batch_size,
+                      _samples(net, plan.input, index), _samples(net, plan.output, index),
+                      threads, 1 if program.opt_level >= 2 else threads)
+
+
+def _prepare(net, plan: PredictPlan) -> None:
+    """Put the net in its test-phase state as ``net.predict`` does, and run the host steps
+    that compute constants from ``net.state``; refuse any other host step."""
+    for ens in plan.before_forward:
+        ens.before_forward(Phase.TEST, {name: net.field(ens, name) for name in ens.fields})
+    hosts = [s for s in plan.steps if isinstance(s, HostStep)]
+    for step in hosts:
+        if step.ensemble.reads_inputs(Phase.TEST):
+            raise ExportError(f"cannot export: the output {plan.output.name!r} depends on "
+                              f"{step.ensemble.name!r} ({type(step.ensemble).__name__}), an "
+                              "ensemble computed by Python code at run time")
+        step.ensemble.phase = Phase.TEST
+    net.run_steps(hosts)
+
+
+def _is_constant(buf: Buffer, constant: set) -> bool:
+    """Whether ``buf``'s contents before a batch matter: parameters, fields and gather
+    tables, a ``Batch`` field (dropout's mask), and the values of the host steps run at
+    export time. Values and gradients the batch computes, per-thread scratch and private
+    copies start as zeros."""
+    if buf in constant:
+        return True
+    owner, what = buf.key[0], buf.key[-1]
+    if owner == "scratch" or isinstance(owner, Buffer):
+        return False
+    return what not in ("value", "grad") and not str(what).startswith("grad_")
+
+
+def _samples(net, ens, index: dict) -> Samples:
+    """Where ``ens``'s samples live in its value buffer (the view ``net.value`` gives is
+    ``(batch, *shape)``, or ``(T, batch, *shape)`` with time steps)."""
+    buf = net.program.buffers.value(ens)
+    view, base = net.value(ens), net._memory[buf]
+    item = 4
+    timed = view.ndim == len(ens.shape) + 2
+    inner = int(np.prod(ens.shape, dtype=np.int64))
+    lead = view.strides[:2] if timed else (0, view.strides[0])
+    if view.dtype != np.float32 or not view[(0,) * (1 + timed)].flags.c_contiguous:
+        raise ExportError(f"cannot export: the values of {ens.name!r} are not float32 items "
+                          "stored one after the other")
+    return Samples(ens.name, ((view.shape[0],) if timed else ()) + tuple(ens.shape), index[buf],
+                   (view.ctypes.data - base.ctypes.data) // item, view.shape[0] if timed else 1,
+                   lead[0] // item, lead[1] // item, inner)
