@@ -77,11 +77,27 @@ def MaxPoolingLayer(name: str, net, input_ens, kernel, stride=None, pad=0) -> En
                  lambda shape, n: {"argmax": np.zeros(shape, np.float32)})
 
 
-def MeanPoolingLayer(name: str, net, input_ens, kernel, stride=None, pad=0) -> Ensemble:
+def MeanPoolingLayer(name: str, net, input_ens, kernel, stride=None, pad=0, *,
+                     count_include_pad: bool = True) -> Ensemble:
     """Mean over ``kernel`` windows of each channel of a ``(C, H, W)`` input; ``stride``
-    defaults to the kernel. Padding reads as zero and counts in the divisor ``kh*kw``."""
-    return _pool(name, net, input_ens, kernel, stride, pad, MeanNeuron, 0.0,
-                 lambda shape, n: {"scale": shared_scalar(1.0 / n)})
+    defaults to the kernel. Padding reads as zero and counts in the divisor ``kh*kw``;
+    with ``count_include_pad=False`` the divisor is the number of input values in the
+    window (PyTorch's ``AvgPool2d`` option of that name)."""
+    if count_include_pad:
+        return _pool(name, net, input_ens, kernel, stride, pad, MeanNeuron, 0.0,
+                     lambda shape, n: {"scale": shared_scalar(1.0 / n)})
+    (kh, kw), (py, px) = pair(kernel, "kernel", 1), pair(pad, "pad", 0)
+    sy, sx = pair(kernel if stride is None else stride, "stride", 1)
+
+    def inside(n: int, out: int, k: int, s: int, p: int) -> np.ndarray:   # per output row/col
+        lo = np.arange(out) * s - p
+        return np.minimum(lo + k, n) - np.maximum(lo, 0)
+
+    def counts(shape, n):
+        rows = inside(input_ens.shape[1], shape[1], kh, sy, py)
+        cols = inside(input_ens.shape[2], shape[2], kw, sx, px)
+        return {"scale": (1.0 / np.outer(rows, cols), lambda c, y, x: (y, x))}
+    return _pool(name, net, input_ens, kernel, stride, pad, MeanNeuron, 0.0, counts)
 
 
 def GlobalAveragePoolingLayer(name: str, net, input_ens) -> Ensemble:
