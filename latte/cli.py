@@ -1,5 +1,6 @@
 """The ``latte`` command: ``latte run NET.py`` trains a net script, ``latte explain NET.py``
-prints the compiler's plan for it, ``latte check NET.py`` checks its compiled code."""
+prints the compiler's plan for it, ``latte check NET.py`` checks its compiled code, ``latte
+export NET.py -o DIR`` writes a C library for inference with it."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import latte.solvers.sgd
 from latte.check import check
 from latte.compiler.explain import explain_program
 from latte.errors import LatteError
+from latte.export import export
 from latte.lang import Phase
 from latte.net import Net
 from latte.overrides import OVERRIDES
@@ -116,6 +118,25 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--probes", type=_count(1), default=1, metavar="N",
                        help="finite-difference probes per array (default 1)")
     check.set_defaults(action=_check)
+
+    export = commands.add_parser("export", help="write a C library for inference with the "
+                                 "script's net: latte_model.h and liblatte_model.so",
+                                 description="Build NET.py's net without training, load the "
+                                             "snapshot into it, and write DIR/latte_model.h and "
+                                             "DIR/liblatte_model.so (with the native libraries "
+                                             "it needs beside it): int latte_model_predict("
+                                             "const float *input, int n, float *output) runs "
+                                             "the test-phase forward as net.predict does.")
+    export.add_argument("script", metavar="NET.py")
+    export.add_argument("-o", "--output", required=True, metavar="DIR",
+                        help="the folder to write (created if needed)")
+    export.add_argument("--snapshot", metavar="PATH",
+                        help="parameters and state to load (a net.save file); without it the "
+                             "weights are those the script initializes")
+    export.add_argument("--threads", type=_count(1), metavar="N",
+                        help="threads the library runs on")
+    _add_opt_level(export)
+    export.set_defaults(action=_export)
     return parser
 
 
@@ -315,6 +336,18 @@ def _check(args: argparse.Namespace, script: str) -> int:
               + (f" (likeliest wrong backward: {', '.join(suspects)})" if suspects else ""),
               file=sys.stderr)
         return 1
+    return 0
+
+
+# ---------------------------------------------------------------- latte export
+def _export(args: argparse.Namespace, script: str) -> int:
+    nets = _built_nets(script, "export", opt_level=args.opt_level, num_threads=args.threads)
+    if len(nets) != 1:
+        raise LatteError(f"{os.path.basename(script)} builds {len(nets)} nets: latte export "
+                         "exports a script that builds one")
+    written = export(nets[0], args.output, snapshot=args.snapshot,
+                     origin=os.path.basename(script))
+    print("wrote " + ", ".join(map(str, written)))
     return 0
 
 

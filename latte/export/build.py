@@ -21,7 +21,8 @@ from latte.export.image import ModelImage
 
 LIBRARY = "liblatte_model.so"
 # only the API leaves the library: the segments and the driver's state stay local
-_VERSION_SCRIPT = "{ global: latte_model_predict; latte_model_input_size; latte_model_output_size; local: *; };\n"
+_VERSION_SCRIPT = ("{ global: latte_model_predict; latte_model_input_size; "
+                   "latte_model_output_size; local: *; };\n")
 
 
 def build(image: ModelImage, directory: Path, origin: str) -> list[Path]:

@@ -61,7 +61,8 @@ def driver(image: ModelImage, blob_path: str, blas: bool) -> str:
 #include "{HEADER}"
 
 #define API __attribute__((visibility("default")))
-
+#define BATCH {image.batch_size}L
+{_defines("IN", image.input)}{_defines("OUT", image.output)}
 __asm__(".section .rodata\\n"
         ".balign 64\\n"
         ".globl latte_model_blob\\n"
@@ -104,36 +105,34 @@ static void setup(void)
     status = 0;
 }}
 
-API long latte_model_input_size(void) {{ return {image.input.size}L; }}
-API long latte_model_output_size(void) {{ return {image.output.size}L; }}
+API long latte_model_input_size(void) {{ return IN_OUTER * IN_INNER; }}
+API long latte_model_output_size(void) {{ return OUT_OUTER * OUT_INNER; }}
 
 API int latte_model_predict(const float *input, int n, float *output)
 {{
-    const long batch = {image.batch_size};
     if (n < 0 || !input || !output)
         return 1;
     pthread_once(&once, setup);
     if (status)
         return status;
     pthread_mutex_lock(&lock);
-    float *in = (float *)table[{image.input.slot}] + {image.input.offset};
-    float *out = (float *)table[{image.output.slot}] + {image.output.offset};
-    for (long lo = 0; lo < n; lo += batch) {{
-        long count = n - lo < batch ? n - lo : batch;
-        for (long b = 0; b < batch; b++)
-            for (long t = 0; t < {image.input.outer}; t++) {{
-                {_run("in", image.input)}
+    float *in = (float *)table[IN_SLOT] + IN_OFFSET, *out = (float *)table[OUT_SLOT] + OUT_OFFSET;
+    for (long lo = 0; lo < n; lo += BATCH) {{
+        long count = n - lo < BATCH ? n - lo : BATCH;
+        for (long b = 0; b < BATCH; b++)   /* items past count: the padding */
+            for (long t = 0; t < IN_OUTER; t++) {{
+                float *run = in + t * IN_OUTER_STRIDE + b * IN_BATCH_STRIDE;
                 if (b < count)
-                    memcpy(run, input + ((lo + b) * {image.input.outer} + t) * {image.input.inner}, {4 * image.input.inner});
+                    memcpy(run, input + ((lo + b) * IN_OUTER + t) * IN_INNER, 4 * IN_INNER);
                 else
-                    memset(run, 0, {4 * image.input.inner});
+                    memset(run, 0, 4 * IN_INNER);
             }}
         for (int s = 0; s < n_segments; s++)
             segments[s](table);
         for (long b = 0; b < count; b++)
-            for (long t = 0; t < {image.output.outer}; t++) {{
-                {_run("out", image.output)}
-                memcpy(output + ((lo + b) * {image.output.outer} + t) * {image.output.inner}, run, {4 * image.output.inner});
+            for (long t = 0; t < OUT_OUTER; t++) {{
+                float *run = out + t * OUT_OUTER_STRIDE + b * OUT_BATCH_STRIDE;
+                memcpy(output + ((lo + b) * OUT_OUTER + t) * OUT_INNER, run, 4 * OUT_INNER);
             }}
     }}
     pthread_mutex_unlock(&lock);
@@ -142,8 +141,12 @@ API int latte_model_predict(const float *input, int n, float *output)
 """
 
 
-def _run(base: str, s: Samples) -> str:
-    return f"float *run = {base} + t * {s.outer_stride}L + b * {s.batch_stride}L;"
+def _defines(prefix: str, s: Samples) -> str:
+    """The macros that place ``s``'s samples (see :class:`Samples`)."""
+    return "".join(f"#define {prefix}_{k.upper()} {v}L\n" for k, v in
+                   (("slot", s.slot), ("offset", s.offset), ("outer", s.outer),
+                    ("outer_stride", s.outer_stride), ("batch_stride", s.batch_stride),
+                    ("inner", s.inner)))
 
 
 def _shape(s: Samples) -> str:
