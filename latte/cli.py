@@ -94,6 +94,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--profile", action="store_true",
                      help="print where the time went: compile, forward, backward, update, "
                           "and forward/backward per ensemble")
+    again = run.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue from the newest snapshot in the snapshot dir")
+    again.add_argument("--overwrite", action="store_true",
+                       help="delete another run's snapshots and log in the snapshot dir")
     run.set_defaults(action=_run)
 
     explain = commands.add_parser("explain", help="compile a net script's net(s) and print "
@@ -164,7 +169,9 @@ def _run(args: argparse.Namespace, script: str) -> int:
     with contextlib.ExitStack() as stack:
         stack.enter_context(_overrides(max_epoch=args.max_epoch, num_threads=args.threads,
                                        seed=args.seed, opt_level=args.opt_level,
-                                       profile=args.profile or None, progress=progress))
+                                       profile=args.profile or None, progress=progress,
+                                       resume=args.resume or None,
+                                       overwrite=args.overwrite or None))
         if leader:
             stack.callback(progress.close)
         if profiler:

@@ -2,26 +2,21 @@
 
 from __future__ import annotations
 
-import io
-import json
 import os
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from latte import random as latte_random
 from latte.compiler import compile_net
 from latte.compiler.blas import pin_other_blas, set_blas_threads
-from latte.compiler.cache import write_atomic
 from latte.compiler.jit import openmp
 from latte.compiler.update import ParamBuffers, UpdateRule
-from latte.errors import DataError, LatteError
 from latte.lang import DataEnsemble, Ensemble, Graph, NormalizationEnsemble, Phase
 from latte.overrides import pick
-from latte.runtime import distributed
+from latte.runtime import checkpoint, distributed
 from latte.runtime.executor import Executor
 from latte.runtime.memory import Memory, aligned_zeros
 from latte.runtime.predict import predict
@@ -250,41 +245,16 @@ class Net(Graph):
 
     # ------------------------------------------------------------ checkpoints
     def save(self, path) -> None:
-        """Write parameters, momentum, ``state`` and solver state to ``path`` atomically."""
+        """Write a snapshot to ``path`` atomically: parameters, solver state and progress,
+        ``state``, the random generators and every data source's position (see
+        :mod:`latte.runtime.checkpoint`; collective under MPI, rank 0 writes). Nothing is
+        written when an array is not finite (:class:`~latte.errors.TrainingError`)."""
         self._ready()
-        arrays = {f"value/{p.name}": p.value for p in self.params}
-        arrays |= {f"{k}/{p.name}": a for p in self.params for k, a in p.state.items()}
-        arrays |= {f"state/{name}": a for name, a in self.state.items()}
-        buf = io.BytesIO()
-        np.savez(buf, __state__=np.array(json.dumps(self.solver_state)), **arrays)
-        write_atomic(Path(os.path.abspath(path)), buf.getvalue())
+        checkpoint.save(self, path)
 
     def load(self, path) -> None:
-        """Restore what :meth:`save` wrote."""
+        """Restore what :meth:`save` wrote, after checking the whole file: a damaged,
+        foreign or incomplete one is a :class:`~latte.errors.DataError` naming the path,
+        and leaves the net as it was."""
         self._ready()
-        if not os.path.exists(path):
-            raise DataError(f"checkpoint {os.fspath(path)!r} does not exist")
-        with np.load(path) as data:
-            # solver state: "<state>/<parameter>" (SGD's momentum is "history/...")
-            saved = {(kind, name) for kind, _, name in (k.partition("/") for k in data.files)
-                     if kind not in ("value", "state", "__state__")}
-            for p in self.params:
-                for kind in {k for k, name in saved if name == p.name} | set(p.state):
-                    if (kind, p.name) not in saved:   # a state the snapshot's solver had not
-                        p.state[kind][...] = 0.0
-                for kind, arr in [("value", p.value)] + [(k, p.solver_state(k)) for k, name
-                                                         in sorted(saved) if name == p.name]:
-                    key = f"{kind}/{p.name}"
-                    if key not in data:
-                        raise LatteError(f"checkpoint {os.fspath(path)!r} has no {key!r}")
-                    if data[key].shape != arr.shape:
-                        raise LatteError(f"checkpoint {key!r} has shape {data[key].shape}, "
-                                         f"the net expects {arr.shape}")
-                    arr[...] = data[key]
-            for name, arr in self.state.items():
-                key = f"state/{name}"
-                if key not in data or data[key].shape != arr.shape:
-                    raise LatteError(f"checkpoint {os.fspath(path)!r} has no {key!r} of shape "
-                                     f"{arr.shape}")
-                arr[...] = data[key]
-            self.solver_state = json.loads(str(data["__state__"]))
+        checkpoint.load(self, path)

@@ -17,6 +17,7 @@ N ranks a global batch is N consecutive batches of the order; rank r loads the r
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -184,6 +185,62 @@ class ArraySource:
             self.cursor[phase], self.epoch[phase], self.order[phase], state = pending[1]
             if phase is Phase.TRAIN:   # the only phase that draws from the generator
                 self.rng.bit_generator.state = state
+
+    # ------------------------------------------------------------ snapshots
+    def snapshot(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """Where the source is, as a snapshot keeps it (JSON, and the batch orders as
+        arrays): per phase the cursor and epoch, and the generator's state, each as it was
+        before the batches read ahead were planned."""
+        cursor, epoch, order = dict(self.cursor), dict(self.epoch), dict(self.order)
+        rng = self.rng.bit_generator.state
+        for phase, (_, position) in self._pending.items():
+            cursor[phase], epoch[phase], order[phase], state = position
+            if phase is Phase.TRAIN:   # the only phase that draws from the generator
+                rng = state
+        phases = [p.value for p in self.sets]
+        info = {"ensemble": self.data.name, "ranks": self.ranks, "rng": rng,
+                "samples": {p.value: self.num_samples(p) for p in self.sets},
+                "cursor": {p: cursor[Phase(p)] for p in phases},
+                "epoch": {p: epoch[Phase(p)] for p in phases}}
+        return info, {f"order/{p}": order[Phase(p)] for p in phases}
+
+    def restorer(self, info, arrays: dict[str, np.ndarray]) -> Callable[[], None]:
+        """Check a :meth:`snapshot` (ValueError saying what is wrong) and return what puts
+        the source back there. A snapshot of other data (other sizes) or of another rank
+        count is not restored (with a warning): its positions mean nothing here."""
+        if not isinstance(info, dict) or not {"ensemble", "ranks", "rng", "samples", "cursor",
+                                              "epoch"} <= info.keys():
+            raise ValueError("no position saved (another net's snapshot, or damaged)")
+        samples = {p.value: self.num_samples(p) for p in self.sets}
+        if info["samples"] != samples or info["ranks"] != self.ranks:
+            warnings.warn(f"data layer {self.data.name!r}: the snapshot's data position is for "
+                          f"{info['samples']} samples on {info['ranks']} rank(s), this source "
+                          f"has {samples} on {self.ranks}: not restored", RuntimeWarning,
+                          stacklevel=5)
+            return lambda: None
+        orders = {}
+        for p, n in samples.items():
+            order = arrays.get(f"order/{p}")
+            if (order is None or order.shape != (n,) or order.dtype.kind not in "iu"
+                    or not (np.sort(order) == np.arange(n)).all()):
+                raise ValueError(f"the {p} batch order is missing or not a permutation of "
+                                 f"{n} samples")
+            orders[Phase(p)] = order
+        try:
+            type(self.rng.bit_generator)().state = info["rng"]
+            cursor = {Phase(p): int(info["cursor"][p]) for p in samples}
+            epoch = {Phase(p): int(info["epoch"][p]) for p in samples}
+        except (TypeError, ValueError, KeyError) as exc:
+            raise ValueError(f"a damaged position ({exc})") from None
+
+        def restore() -> None:
+            for phase in list(self._pending):
+                self._drop(phase)
+            self.cursor.update(cursor)
+            self.epoch.update(epoch)
+            self.order.update(orders)
+            self.rng.bit_generator.state = info["rng"]
+        return restore
 
     def check_labels(self, ens, who: str, *, classes: int | None = None,
                      bounds: tuple[float, float] | None = None) -> None:

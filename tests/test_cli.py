@@ -72,7 +72,7 @@ def test_run_trains_and_writes_log(tmp_path):
     with open(snap / "log.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["epoch"] for r in rows] == ["0", "1"]
-    assert (snap / "snapshot.npz").exists()
+    assert (snap / "snapshot_000012.npz").exists()
     # one summary line per epoch on stderr
     assert result.stderr.count("epoch 1: train loss") == 1
     assert "epoch 2: train loss" in result.stderr and "test accuracy" in result.stderr

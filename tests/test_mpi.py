@@ -25,6 +25,7 @@ SCRIPT = textwrap.dedent('''
     from latte import solvers
     from latte.runtime import distributed
     from latte.solvers import LRPolicy, MomPolicy, SolverParameters, solve
+    from latte.solvers.snapshots import newest_snapshot
     from latte.stdlib import (AccuracyLayer, ArrayDataLayer, FullyConnectedLayer, ReLULayer,
                               SoftmaxLossLayer)
 
@@ -38,8 +39,8 @@ SCRIPT = textwrap.dedent('''
     SoftmaxLossLayer("loss", net, h, label)
     AccuracyLayer("acc", net, h, label)
     out, fail_at = os.environ["OUT"], int(os.environ.get("FAIL_AT", -1))
-    snapshot = os.path.join(out, "snapshot.npz")
-    if os.path.exists(snapshot):        # resume
+    snapshot = newest_snapshot(out)
+    if snapshot:                        # resume
         net.load(snapshot)
 
     class Failing(getattr(solvers, os.environ.get("SOLVER", "SGD"))):
@@ -110,7 +111,7 @@ def test_failed_rank_stops_the_job_and_training_resumes_from_the_snapshot(tmp_pa
     proc, out = _run(tmp_path, 2, 8, "run", timeout=60, FAIL_AT=9)   # a hang fails
     assert proc.returncode != 0
     assert "rank 1 failed" in proc.stderr and "injected failure" in proc.stderr
-    snapshot = out / "snapshot.npz"
+    snapshot = out / "snapshot_000008.npz"
     with np.load(snapshot) as f:
         assert json.loads(str(f["__state__"])) == {"iteration": 8, "epoch": 2}
     proc, out = _run(tmp_path, 2, 8, "run")

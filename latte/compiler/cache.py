@@ -7,7 +7,8 @@ An entry is a header and the object code::
 
 Entries are written atomically (a temporary file in the cache directory, fsync'd, then
 ``os.replace``), so a reader sees a whole entry or none, and two processes filling the same
-cache at once each install a complete entry. An entry that fails its check (truncated,
+cache at once each install a complete entry; the temporary files of writes a killed process
+left are removed by a later process. An entry that fails its check (truncated,
 altered, empty, made for another key, not an entry at all) is reported once with a warning
 naming its path, deleted, and treated as a miss: it is rebuilt, never loaded.
 """
@@ -18,12 +19,15 @@ import hashlib
 import os
 import struct
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
 MAGIC = b"LATTEOB2"
 _HEADER = struct.Struct("<8s32s32sQ")
 _reported: set[Path] = set()   # damaged entries already warned about by this process
+_swept: set[Path] = set()      # cache folders this process has removed stale temporaries from
+STALE_SECONDS = 600.0          # a write takes milliseconds: a temporary this old is orphaned
 
 
 def cache_dir() -> Path:
@@ -80,11 +84,29 @@ def load(key: str) -> bytes | None:
 
 def store(key: str, obj: bytes) -> None:
     """Install the entry for ``obj`` under ``key`` atomically (a read-only or full cache only
-    costs compile time)."""
+    costs compile time). The first store of a process removes the temporary files that
+    writes interrupted long ago (a killed process) left in the cache."""
+    folder = cache_dir()
+    if folder not in _swept:
+        _swept.add(folder)
+        remove_temps(folder, "*.o", older_than=STALE_SECONDS)
     try:
         write_atomic(entry_path(key), pack(key, obj))
     except OSError:
         pass
+
+
+def remove_temps(folder: Path, target: str, older_than: float = 0.0) -> None:
+    """Delete the temporary files :func:`write_atomic` left in ``folder`` for targets whose
+    name matches the glob ``target``, when they are older than ``older_than`` seconds (an
+    interrupted write's; a younger one may be another process's write in progress)."""
+    now = time.time()
+    for tmp in Path(folder).glob(f".{target}.*.tmp"):
+        try:
+            if now - tmp.stat().st_mtime >= older_than:
+                tmp.unlink()
+        except OSError:
+            pass
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
+from latte.compiler.cache import write_atomic
 from latte.errors import TrainingError
 from latte.lang import NormalizationEnsemble, Phase
 from latte.overrides import pick
 from latte.runtime import distributed
+from latte.solvers import snapshots
 from latte.solvers.algorithms import Solver
 from latte.solvers.policies import LRPolicy, MomPolicy
 
@@ -24,8 +28,13 @@ class SolverParameters:
     coefficient (``regu_coef * decay_mult * param`` added to each gradient) and where
     snapshots go. ``clip_gradients=c`` scales all gradients together so that their global
     L2 norm is at most ``c`` (torch's ``clip_grad_norm_``), before the L2 term.
-    ``snapshot_every`` (iterations; None: each epoch) and ``keep_snapshots`` are accepted
-    and stored; the snapshot/resume work implements them."""
+
+    In ``snapshot_dir``, :func:`solve` writes ``log.csv`` and a snapshot
+    ``snapshot_<iteration>.npz`` every ``snapshot_every`` iterations (None: after each
+    epoch's test pass) and after the last epoch, keeping the newest ``keep_snapshots``.
+    ``resume`` (``latte run --resume``) continues from the newest snapshot there; a new run
+    refuses a folder holding another run's snapshots or log unless ``overwrite``
+    (``--overwrite``) says to delete them."""
 
     lr_policy: object = field(default_factory=lambda: LRPolicy.Fixed(0.01))
     mom_policy: object = field(default_factory=lambda: MomPolicy.Fixed(0.0))
@@ -35,9 +44,20 @@ class SolverParameters:
     clip_gradients: float | None = None
     snapshot_every: int | None = None
     keep_snapshots: int = 3
+    resume: bool = False
+    overwrite: bool = False
 
     def __post_init__(self):
         self.max_epoch = int(pick("max_epoch", self.max_epoch))
+        self.resume = bool(pick("resume", self.resume))
+        self.overwrite = bool(pick("overwrite", self.overwrite))
+        if self.snapshot_every is not None and not int(self.snapshot_every) >= 1:
+            raise ValueError(f"snapshot_every must be a positive number of iterations or None, "
+                             f"got {self.snapshot_every}")
+        if not int(self.keep_snapshots) >= 1:
+            raise ValueError(f"keep_snapshots must be at least 1, got {self.keep_snapshots}")
+        if self.resume and self.overwrite:
+            raise ValueError("resume and overwrite exclude each other")
         if self.clip_gradients is not None and not self.clip_gradients > 0:
             raise ValueError(f"clip_gradients must be positive, got {self.clip_gradients}")
 
@@ -79,7 +99,8 @@ def _test(net) -> tuple[float | None, float | None]:
 
 
 def solve(solver: Solver, net, progress=None) -> History:
-    """Train ``net`` for ``max_epoch`` epochs; returns the :class:`History`.
+    """Train ``net`` for ``max_epoch`` epochs; returns the :class:`History` (of the
+    iterations this call ran: a resumed run's starts where the snapshot was taken).
 
     ``progress`` (optional) is called as ``progress(event, **info)`` for ``"iteration"``
     and ``"epoch"`` events; ``latte run`` uses it for its progress bar.
@@ -88,17 +109,27 @@ def solve(solver: Solver, net, progress=None) -> History:
     net.init()
     net.compile_update(solver.rule)
     params = solver.params
+    leader = distributed.rank() == 0   # under MPI only rank 0 logs and writes snapshots
+    if params.snapshot_dir:
+        snapshots.prepare(net, params.snapshot_dir, resume=params.resume,
+                          overwrite=params.overwrite)
     sources = net.data_sources()
     iters = max((s.batches_per_epoch(Phase.TRAIN) for s in sources), default=1)
     history = History()
-    start_it = int(net.solver_state.get("iteration", 0))
+    it = int(net.solver_state.get("iteration", 0))
     start_epoch = int(net.solver_state.get("epoch", 0))
-    leader = distributed.rank() == 0   # under MPI only rank 0 logs and writes snapshots
-    log = _Log(params.snapshot_dir if leader else None)
-    it = start_it
+    start_batch = int(net.solver_state.get("batch", 0))   # a snapshot taken inside an epoch
+    log = _Log(params.snapshot_dir if leader else None, it)
+    every = params.snapshot_every
+
+    def snapshot(state: dict) -> None:
+        net.solver_state = state
+        if params.snapshot_dir:
+            snapshots.write(net, params.snapshot_dir, it, params.keep_snapshots)
+
     for epoch in range(start_epoch, params.max_epoch):
         t0 = time.perf_counter()
-        for _ in range(iters):
+        for batch in range(start_batch if epoch == start_epoch else 0, iters):
             net.forward(Phase.TRAIN)
             loss = net.loss
             if not math.isfinite(loss):
@@ -113,6 +144,8 @@ def solve(solver: Solver, net, progress=None) -> History:
                                     "clip the gradients or check the data")
             history.train_loss.append(loss)
             it += 1
+            if every and it % every == 0 and batch + 1 < iters:
+                snapshot({"iteration": it, "epoch": epoch, "batch": batch + 1})
             if progress:
                 progress("iteration", epoch=epoch, iteration=it, iterations=iters, loss=loss,
                          images=net.batch_size * distributed.world_size())
@@ -123,10 +156,11 @@ def solve(solver: Solver, net, progress=None) -> History:
             history.test_accuracy.append(acc)
         if test_loss is not None:
             history.test_loss.append(test_loss)
-        net.solver_state = {"iteration": it, "epoch": epoch + 1}
         log.epoch(epoch, it, history, acc, test_loss)
-        if params.snapshot_dir and leader:
-            net.save(os.path.join(params.snapshot_dir, "snapshot.npz"))
+        if not every or it % every == 0 or epoch + 1 == params.max_epoch:
+            snapshot({"iteration": it, "epoch": epoch + 1})
+        else:
+            net.solver_state = {"iteration": it, "epoch": epoch + 1}
         if progress:
             progress("epoch", epoch=epoch, accuracy=acc, test_loss=test_loss,
                      train_loss=history.train_loss[-1] if history.train_loss else None)
@@ -134,16 +168,23 @@ def solve(solver: Solver, net, progress=None) -> History:
 
 
 class _Log:
-    """``log.csv`` in the snapshot dir: one row per epoch."""
+    """``log.csv`` in the snapshot dir: one row per epoch. A run resumed at iteration
+    ``start`` keeps the rows up to it (the rows after were written past the snapshot)."""
 
-    def __init__(self, directory: str | None):
-        self.path = os.path.join(directory, "log.csv") if directory else None
+    COLUMNS = ["epoch", "iteration", "train_loss", "test_loss", "test_accuracy"]
+
+    def __init__(self, directory: str | None, start: int = 0):
+        self.path = os.path.join(directory, snapshots.LOG) if directory else None
         if self.path:
             os.makedirs(directory, exist_ok=True)
-            if not os.path.exists(self.path):
-                with open(self.path, "w", newline="") as f:
-                    csv.writer(f).writerow(["epoch", "iteration", "train_loss", "test_loss",
-                                            "test_accuracy"])
+            rows = []
+            if os.path.exists(self.path):
+                with open(self.path, newline="") as f:
+                    rows = [r for r in csv.reader(f) if len(r) == len(self.COLUMNS)
+                            and r[1].isdigit() and int(r[1]) <= start]   # not the header
+            text = io.StringIO()
+            csv.writer(text).writerows([self.COLUMNS, *rows])
+            write_atomic(Path(self.path), text.getvalue().encode())
 
     def epoch(self, epoch, it, history, acc, test_loss):
         if not self.path:
