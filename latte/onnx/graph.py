@@ -119,8 +119,9 @@ class Importer:
         """Evaluate a node whose inputs are all constants (at the model's opsets)."""
         from onnx.reference import ReferenceEvaluator
         helper, undefined = self.onnx.helper, self.onnx.TensorProto.UNDEFINED
+        names = [n for n in dict.fromkeys(node.input) if n]
         graph = helper.make_graph(
-            [node], "fold", [helper.make_tensor_value_info(n, undefined, None) for n in dict.fromkeys(node.input) if n],
+            [node], "fold", [helper.make_tensor_value_info(n, undefined, None) for n in names],
             [helper.make_tensor_value_info(n, undefined, None) for n in node.output])
         try:
             outs = ReferenceEvaluator(helper.make_model(graph, opset_imports=self.opsets)).run(

@@ -338,7 +338,8 @@ def squeeze(imp: Importer, node, ins: list, at: dict) -> list:
     shape = list(x.shape)
     if node.op_type == "Squeeze":
         rank = len(shape) + 1
-        drop = {a % rank for a in axes} if axes is not None else {k + 1 for k, d in enumerate(shape) if d == 1}
+        drop = ({a % rank for a in axes} if axes is not None
+                else {k + 1 for k, d in enumerate(shape) if d == 1})
         if 0 in drop or any(shape[a - 1] != 1 for a in drop):
             raise imp.error(node, f"cannot squeeze axes {axes} of {('N', *x.shape)}")
         shape = [d for k, d in enumerate(shape, 1) if k not in drop]
