@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from latte.compiler import HostStep, Segment
 from latte.compiler.autodiff import derived_backward, format_neuron
-from latte.compiler.fusion import describe, planner_chain
+from latte.compiler.fusion import planner_chain
 from latte.compiler.ir import Gemm, accesses, walk
 from latte.compiler.passes.tiling import FLOAT_BYTES
 from latte.compiler.planner import brainslug, occam
@@ -20,10 +20,14 @@ def _dims(ens, dims) -> str:
 def _locality(program) -> list[str]:
     """Fused groups with tile heights and working sets; the planners' traffic estimates."""
     out = [""]
-    if program.groups:
+    if program.groups or program.test_groups:
         out.append("fused groups (tile by tile):")
         out += describe(program.groups, program.budget)
-    elif program.opt_level >= 3:
+    if program.test_groups:
+        out.append("fused in the test forward only (where statistics from the net's state are "
+                   "constants):")
+        out += describe(program.test_groups, program.budget)
+    if not program.groups and not program.test_groups and program.opt_level >= 3:
         out.append("fused groups: none (no chain of tiled layers that fuses legally within the budget)")
     lines = [b for b in program.buffers.buffers.values() if b.key[-1] == "lines"]
     if lines:
@@ -51,14 +55,64 @@ def _test_phase(program) -> list[str]:
     def ensembles(steps):
         return [k.ensemble.name for s in steps if isinstance(s, Segment) for k in s.kernels
                 if k.ensemble is not None]
-    first = [s.ensemble.name for s in program.test
+    first = [s.ensemble for s in program.test
              if isinstance(s, HostStep) and not s.ensemble.reads_inputs(Phase.TEST)]
-    skipped = [n for n in ensembles(program.forward) if n not in ensembles(program.test)]
-    out = [f"test forward: {', '.join(first)} run first (from the net's state, not their "
-           "inputs)"] if first else []
+    ran = set(ensembles(program.test))
+    ran |= {p.ensemble.name for g in program.groups + program.test_groups
+            if g.owner("forward").ensemble.name in ran for p in g.plans}
+    skipped = [n for n in ensembles(program.forward) if n not in ran]
+    out = [f"test forward: {', '.join(e.name for e in first)} run first (from the net's "
+           "state, not their inputs)"] if first else []
     if skipped:
         out.append(f"  not run in the test forward (only those read them): {', '.join(skipped)}")
+    out += _normalized(program, set(first), ran)
     return [""] + out if out else []
+
+
+def _normalized(program, stats: set, ran: set) -> list[str]:
+    """Per ensemble that reads statistics from the net's state in the test forward (a batch
+    norm's element-wise part): fused with the kernel of the ensemble it normalizes, or why
+    not. (Folding into the producer's weights is not done: a fused group applies the
+    statistics to each tile its producer just wrote, in cache.)"""
+    groups = {p.ensemble: g for g in program.groups + program.test_groups for p in g.plans}
+    out = []
+    for plan in program.plans:
+        ens = plan.ensemble
+        srcs = [a.conn.source for a in plan.accesses]
+        if ens.name not in ran or not stats & set(srcs):
+            continue
+        prod = next((s for s in srcs if s not in stats), None)
+        g = groups.get(ens)
+        head = f"  {ens.name!r} (with {', '.join(s.name for s in srcs if s in stats)}):"
+        if prod is not None and g is not None and prod in g.rows:
+            out.append(f"{head} fused with {prod.name!r} in group {g.name}, not folded into its "
+                       "weights")
+            continue
+        readers = [p.ensemble.name for p in program.plans if p.ensemble is not ens
+                   and p.ensemble.name in ran and any(a.conn.source is prod for a in p.accesses)]
+        why = ("fusion runs at opt level 3" if program.opt_level < 3 else
+               f"{prod.name!r} is also read by {', '.join(map(repr, readers))}" if readers else
+               f"{prod.name!r} is not a tiled loop nest, or no tiling of a chain through it is "
+               "legal (isl) within the cache budget")
+        where = f"; it runs in group {g.name}" if g is not None else ""
+        out.append(f"{head} neither fused with {prod.name!r} nor folded into its weights: "
+                   f"{why}{where}")
+    return out
+
+
+def describe(groups: list, budget: int) -> list[str]:
+    """Each fused group, its tile heights and per-tile working set."""
+    out = []
+    for g in groups:
+        rows = ", ".join(f"{p.ensemble.name} {g.rows[p.ensemble]}" for p in g.plans)
+        out.append(f"  group {g.name}: tile rows {rows}; working set per tile "
+                   f"{g.footprint / 1024:.0f} KiB (budget {budget / 1024:.0f} KiB)")
+        for c in g.choices.values():
+            fields = ", ".join(b.name for b in c.fields)
+            out.append(f"    {fields}: {'recomputed in backward' if c.recompute else 'kept'} "
+                       f"(estimated off-chip bytes: keep {c.keep_bytes / 2**20:.2f} MiB, "
+                       f"recompute {c.recompute_bytes / 2**20:.2f} MiB)")
+    return out
 
 
 def explain_program(program) -> str:

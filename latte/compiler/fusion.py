@@ -52,7 +52,7 @@ from latte.compiler.passes.tiling import (
     tile_loop,
 )
 from latte.errors import CompileError
-from latte.lang import ActivationEnsemble, FieldKind, NormalizationEnsemble
+from latte.lang import ActivationEnsemble, FieldKind, NormalizationEnsemble, Phase, sources
 
 ROW_DIM = 1   # ensembles are (channels, rows, cols): tiles are row planes
 
@@ -88,19 +88,74 @@ def fusion_groups(net, plans, budget: int, threads: int = 1) -> list[Group]:
     (least off-chip traffic under ``budget``), then where isl finds a halo that cannot be
     skewed. A skewed group runs its tiles in order, so only the batch is left to share among
     ``threads``: with fewer items than threads, halos end groups instead."""
-    max_lag = 1 if net.batch_size >= threads else 0
+    return _chains(net, plans, _cuts(plans, budget, net.batch_size), budget,
+                   _max_lag(net, threads))
+
+
+def test_groups(net, plans, groups: list[Group], budget: int, threads: int = 1) -> list[Group]:
+    """The fused groups of the ``Phase.TEST`` forward that the training ``groups`` do not
+    have. There, host steps that ignore their inputs (a batch norm's statistics, read from
+    ``net.state``) run first and the kernels only they read (its partial sums) do not run,
+    so a batch norm is one more element-wise consumer of its convolution: conv + BN + ReLU
+    (+ add + ReLU) chains fuse where isl says they may. A test group holds each training
+    group wholly or not at all (their kernels are merged already), at its tile rows."""
+    ignored = test_ignored(net)
+    if not ignored:
+        return []
+    fixed = {e: r for g in groups for e, r in g.rows.items()}
+    parts = {p.ensemble: {q.ensemble for q in g.plans} for g in groups for p in g.plans}
+
+    def whole(chain: list) -> bool:
+        members = {p.ensemble for p in chain}
+        return all(parts.get(e, members) <= members for e in members)
+
+    alive = [p for p in plans if p.ensemble not in ignored]
+    found = _chains(net, alive, _cuts(plans, budget, net.batch_size), budget,
+                    _max_lag(net, threads), ignored, fixed, whole)
+    trained = [[p.ensemble for p in g.plans] for g in groups]
+    return [g for g in found if [p.ensemble for p in g.plans] not in trained]
+
+
+def test_ignored(net) -> frozenset:
+    """The ensembles whose reads do not count in ``Phase.TEST``: host steps that ignore their
+    inputs there, and (transitively) the ensembles only those read (a batch norm's partial
+    sums: :func:`~latte.compiler.schedule.test_steps` does not run them)."""
+    readers: dict = {}
+    for e in net.ensembles:
+        for s in sources(net, e):
+            readers.setdefault(s, []).append(e)
+    out = {e for e in net.ensembles
+           if isinstance(e, NormalizationEnsemble) and not e.reads_inputs(Phase.TEST)}
+    for e in reversed(net.ensembles):   # readers come after what they read
+        if readers.get(e) and all(r in out for r in readers[e]):
+            out.add(e)
+    return frozenset(out)
+
+
+def _max_lag(net, threads: int) -> int:
+    return 1 if net.batch_size >= threads else 0
+
+
+def _cuts(plans, budget: int, batch: int) -> set:
+    """The ensembles before which Occam's dynamic program puts a partition boundary."""
     layers = planner_chain(plans)
-    spans = planner.occam(layers, budget, batch=net.batch_size).groups if len(layers) > 1 else []
+    spans = planner.occam(layers, budget, batch=batch).groups if len(layers) > 1 else []
     # the planner models the leading chain only: where it ends is not a cut it chose
-    cuts = {plans[j + 1].ensemble for _, j in spans if j + 1 < len(layers)}
+    return {plans[j + 1].ensemble for _, j in spans if j + 1 < len(layers)}
+
+
+def _chains(net, plans, cuts: set, budget: int, max_lag: int, ignored: frozenset = frozenset(),
+            fixed: dict | None = None, whole=None) -> list[Group]:
+    """Runs of ``plans`` that consume each other (:func:`_consumes`, not counting the reads of
+    ``ignored`` ensembles), cut into groups by :func:`_fit`."""
     groups, chain = [], []
     for plan in plans:
-        if chain and plan.ensemble not in cuts and _consumes(net, chain, plan):
+        if chain and plan.ensemble not in cuts and _consumes(net, chain, plan, ignored):
             chain.append(plan)
             continue
-        groups += _fit(chain, budget, max_lag)
+        groups += _fit(chain, budget, max_lag, fixed, whole)
         chain = [plan] if _tileable(plan) else []
-    return groups + _fit(chain, budget, max_lag)
+    return groups + _fit(chain, budget, max_lag, fixed, whole)
 
 
 def _tileable(plan) -> bool:
@@ -110,10 +165,11 @@ def _tileable(plan) -> bool:
         strip_mined(lp) and lp.axis.dim == ROW_DIM for s in nests for lp in ensemble_chain(s))
 
 
-def _consumes(net, chain: list, plan) -> bool:
+def _consumes(net, chain: list, plan, ignored: frozenset = frozenset()) -> bool:
     """``plan``'s ensemble reads the last member of ``chain`` through one connection, and
-    nothing else reads that member. Its other inputs (a residual's shortcut, statistics)
-    must come from outside the chain: they are complete before the group runs."""
+    nothing else (but ``ignored`` ensembles) reads that member. Its other inputs (a
+    residual's shortcut, statistics) must come from outside the chain: they are complete
+    before the group runs."""
     ens, prod = plan.ensemble, chain[-1].ensemble
     if isinstance(ens, ActivationEnsemble):   # in place: reads its source's own tile
         return ens.source is prod and _tileable(plan)
@@ -124,8 +180,9 @@ def _consumes(net, chain: list, plan) -> bool:
     if len(mine) != 1 or any(storage_owner(a.conn.source) in members
                              for a in plan.accesses if a is not mine[0]):
         return False
-    readers = [c for c in net.connections if c.source is prod]
-    host = [e for e in net.ensembles if isinstance(e, NormalizationEnsemble) and prod in e.inputs]
+    readers = [c for c in net.connections if c.source is prod and c.sink not in ignored]
+    host = [e for e in net.ensembles if isinstance(e, NormalizationEnsemble)
+            and prod in e.inputs and e not in ignored]
     return len(readers) == 1 and readers[0].sink is ens and not host
 
 
@@ -141,13 +198,16 @@ def _scale(plan, prod) -> int:
     return abs(_from(plan, prod).dims[ROW_DIM].lo.coef(f"%{ROW_DIM}")) or 1
 
 
-def _fit(chain: list, budget: int, max_lag: int) -> list[Group]:
+def _fit(chain: list, budget: int, max_lag: int, fixed: dict | None = None,
+         whole=None) -> list[Group]:
     """``chain`` cut into groups: from each start, the longest run with a tiling that is legal
-    and fits ``budget`` (a halo or an overflow ends a group; the next one starts after it)."""
+    and fits ``budget`` (a halo or an overflow ends a group; the next one starts after it),
+    gives the ensembles in ``fixed`` their rows there, and that ``whole`` accepts."""
     groups = []
     while len(chain) > 1:
         for end in range(len(chain), 1, -1):
-            fit = _rows(chain[:end], budget, max_lag)
+            fit = None if whole and not whole(chain[:end]) else _rows(chain[:end], budget,
+                                                                     max_lag, fixed or {})
             if fit is not None:
                 groups.append(Group(list(chain[:end]), *fit))
                 chain = chain[end:]
@@ -157,7 +217,7 @@ def _fit(chain: list, budget: int, max_lag: int) -> list[Group]:
     return groups
 
 
-def _rows(chain: list, budget: int, max_lag: int) -> tuple[dict, int, tuple] | None:
+def _rows(chain: list, budget: int, max_lag: int, fixed: dict) -> tuple[dict, int, tuple] | None:
     last = chain[-1].ensemble.shape[ROW_DIM]
     pairs = list(zip(chain, chain[1:]))   # (producer, consumer)
     scale = math.prod(_scale(p, q.ensemble) for q, p in pairs)
@@ -166,7 +226,8 @@ def _rows(chain: list, budget: int, max_lag: int) -> tuple[dict, int, tuple] | N
         tiles, sizes = last // r, [r]
         for prod, plan in reversed(pairs):
             sizes.insert(0, sizes[0] * _scale(plan, prod.ensemble))
-        if any(p.ensemble.shape[ROW_DIM] != s * tiles for p, s in zip(chain, sizes)):
+        if any(p.ensemble.shape[ROW_DIM] != s * tiles or fixed.get(p.ensemble, s) != s
+               for p, s in zip(chain, sizes)):
             continue
         links = tuple(_link(p, q.ensemble, s, s_prev, tiles, max_lag)
                       for (q, p), s, s_prev in zip(pairs, sizes[1:], sizes))
@@ -305,10 +366,10 @@ def merge(group: Group, phase: str) -> Kernel:
     return replace(first, name=name, body=Block((*before, nest, *after)))
 
 
-def mergeable(group: Group) -> bool:
+def mergeable(group: Group, phases: tuple = ("forward", "backward")) -> bool:
     """Whether :func:`merge` can order each phase's statements without tiles (below)."""
     return all(_untiled([s for p in group.plans for s in p.kernels[ph].body.stmts]) is not None
-               for ph in ("forward", "backward"))
+               for ph in phases)
 
 
 def _untiled(stmts: list) -> tuple[list, list] | None:
@@ -368,18 +429,3 @@ def planner_chain(plans) -> list:
             chain.pop()
             break
     return chain
-
-
-def describe(groups: list[Group], budget: int) -> list[str]:
-    """``latte explain`` lines: each fused group, its tile heights and per-tile working set."""
-    out = []
-    for g in groups:
-        rows = ", ".join(f"{p.ensemble.name} {g.rows[p.ensemble]}" for p in g.plans)
-        out.append(f"  group {g.name}: tile rows {rows}; working set per tile "
-                   f"{g.footprint / 1024:.0f} KiB (budget {budget / 1024:.0f} KiB)")
-        for c in g.choices.values():
-            fields = ", ".join(b.name for b in c.fields)
-            out.append(f"    {fields}: {'recomputed in backward' if c.recompute else 'kept'} "
-                       f"(estimated off-chip bytes: keep {c.keep_bytes / 2**20:.2f} MiB, "
-                       f"recompute {c.recompute_bytes / 2**20:.2f} MiB)")
-    return out

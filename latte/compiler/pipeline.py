@@ -20,7 +20,14 @@ from latte.compiler import schedule
 from latte.compiler.buffers import BufferPlan
 from latte.compiler.codegen import ModuleBuilder
 from latte.compiler.fingerprint import fingerprint
-from latte.compiler.fusion import ROW_DIM, fusion_groups, keep_or_recompute, merge, mergeable
+from latte.compiler.fusion import (
+    ROW_DIM,
+    fusion_groups,
+    keep_or_recompute,
+    merge,
+    mergeable,
+    test_groups,
+)
 from latte.compiler.graph_checks import check_graph
 from latte.compiler.ir import Block, Kernel, Ref, walk
 from latte.compiler.jit import target
@@ -58,13 +65,14 @@ class Compilation:
     dead: frozenset = frozenset()                    # gradients nothing needs (data)
     plans: list[EnsemblePlan] = field(default_factory=list)
     groups: list = field(default_factory=list)       # fused groups (opt level 3)
+    test_groups: list = field(default_factory=list)  # more groups of the test forward alone
     first_touch: dict = field(default_factory=dict)  # ensemble -> gradients still zero there
     pre_zeroed: set = field(default_factory=set)     # gradients their first writer overwrites
     program: Program | None = None
 
     def kernels(self) -> list[Kernel]:
         """Every ensemble kernel, then the scheduled ones (zeroing the gradients)."""
-        found = [p.kernels[ph] for p in self.plans for ph in PHASES if ph in p.kernels]
+        found = [k for p in self.plans for k in p.kernels.values()]
         if self.program is not None:
             found += [k for s in self.program.segments() for k in s.kernels if k.ensemble is None]
         return found
@@ -100,6 +108,8 @@ def _synthesize(c: Compilation) -> None:
 def _plan_fusion(c: Compilation) -> None:
     """Chains whose tile T reads only the producer's tiles near T (isl), sized to the cache."""
     c.groups = fusion_groups(c.net, c.plans, c.budget, c.bufs.threads)
+    # in Phase.TEST a batch norm's statistics are constants: it fuses with its convolution
+    c.test_groups = test_groups(c.net, c.plans, c.groups, c.budget, c.bufs.threads)
 
 
 def _first_touch(c: Compilation) -> None:
@@ -129,6 +139,10 @@ def _fuse_groups(c: Compilation) -> None:
     pool's arg-max) is kept, or recomputed per tile if that moves fewer bytes. A group whose
     untiled statements cannot be ordered around its skewed tile loop is not fused."""
     c.groups = [g for g in c.groups if mergeable(g)]
+    c.test_groups = [g for g in c.test_groups if mergeable(g, ("forward",))]
+    for group in c.test_groups:   # the test forward's kernel "test", from the members' own
+        group.owner("forward").kernels["test"] = replace(merge(group, "forward"),
+                                                         name=f"{group.name}.test")
     for group in c.groups:
         keep_or_recompute(group, c.bufs)
         for phase in PHASES:
@@ -153,7 +167,7 @@ def _schedule(c: Compilation) -> None:
     params = [(e, f.name) for e in net.ensembles if isinstance(e, Ensemble) for f in e.params]
     by_ens = {p.ensemble: p for p in c.plans}
     forward = schedule.phase_steps(net.ensembles, by_ens, "forward", "fwd", c.split)
-    test = schedule.test_steps(forward, c.groups, bufs)
+    test = schedule.test_steps(forward, c.groups, bufs, c.test_groups)
     backward = schedule.phase_steps(reversed(net.ensembles), by_ens, "backward", "bwd", c.split)
     zero = parallelize(schedule.zero_grads(net, bufs, c.dead | c.pre_zeroed), bufs)
     if backward and isinstance(backward[0], Segment) and not c.split:
@@ -161,7 +175,7 @@ def _schedule(c: Compilation) -> None:
     else:
         backward.insert(0, Segment("bwd_zero", (zero,)))
     c.program = Program(bufs, forward, backward, test, params, c.plans, c.opt_level,
-                        groups=c.groups, budget=c.budget)
+                        groups=c.groups, budget=c.budget, test_groups=c.test_groups)
 
 
 STEPS = (
@@ -197,7 +211,7 @@ VERIFIED_AFTER = ("synthesize", "schedule")
 
 def _forced(c: Compilation, kernel: Kernel) -> tuple[int, int] | None:
     """The tile rows a fused group imposes on ``kernel``'s ensemble."""
-    for g in c.groups:
+    for g in c.groups + c.test_groups:
         if kernel.ensemble in g.rows:
             return ROW_DIM, g.rows[kernel.ensemble]
     return None
@@ -226,7 +240,7 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
             continue
         if step.per_kernel:
             for plan in c.plans:
-                for phase in PHASES:
+                for phase in plan.kernels:   # forward, backward (and a fused group's test)
                     plan.kernels[phase] = step.fn(c, plan.kernels[phase])
         else:
             step.fn(c)

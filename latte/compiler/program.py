@@ -58,6 +58,7 @@ class Program:
     opt_level: int
     library: CodeLibrary | None = None
     groups: list = field(default_factory=list)   # fused groups (opt level 3)
+    test_groups: list = field(default_factory=list)   # fused in the test forward alone
     budget: int = 0                               # bytes a tile's working set may use
 
     def segments(self) -> list[Segment]:

@@ -9,6 +9,7 @@ from latte.compiler.ir import Block, Kernel, accesses
 from latte.compiler.passes import drop_stores, localize
 from latte.compiler.program import HostStep, Segment
 from latte.compiler.synthesis import zero_loop
+from latte.errors import CompileError
 from latte.lang import ActivationEnsemble, Ensemble, NormalizationEnsemble, Phase
 
 
@@ -35,14 +36,16 @@ def phase_steps(ensembles, by_ens, phase: str, prefix: str, split: bool = False)
     return steps
 
 
-def test_steps(forward: list, groups: list, bufs: BufferPlan) -> list:
+def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list = ()) -> list:
     """The forward steps of ``Phase.TEST``. No backward follows, so ``Batch`` fields that
     forward only writes (a max-pool's arg-max) are not stored, and each fused group keeps
     the intermediate values nothing after it reads (its members' but the last one's) in
     per-thread line buffers. Host steps that ignore their inputs in the test phase (a batch
     norm's statistics, from ``net.state``) run first, and kernels whose values only such
-    steps read (the statistics' partial sums) do not run: their values are stale in TEST."""
-    steps = _hoist_and_prune(forward, bufs)
+    steps read (the statistics' partial sums) do not run: their values are stale in TEST.
+    Each of ``test_groups`` (fused in this phase alone) runs its kernel ``"test"`` in place
+    of its members' kernels."""
+    steps = _with_test_groups(_hoist_and_prune(forward, bufs), test_groups)
     kernels = [k for s in steps if isinstance(s, Segment) for k in s.kernels]
     found = [accesses(k.body) for k in kernels]
     hosts = {bufs.value(i) for s in steps if isinstance(s, HostStep)
@@ -51,6 +54,7 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan) -> list:
     dead = {a.buffer for f in found for a in f if a.written and a.buffer.batched
             and a.buffer.key[1] not in ("value", "grad")} - read
     owners = {g.owner("forward").kernels["forward"].name: g for g in groups}
+    owners |= {g.owner("forward").kernels["test"].name: g for g in test_groups}
     test = {}
     for i, k in enumerate(kernels):
         kernel = drop_stores(k, dead)
@@ -67,6 +71,31 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan) -> list:
             ks = tuple(test.get(k.name, k) for k in s.kernels)
             s = originals[s.name] if ks == originals[s.name].kernels else Segment(f"test_{s.name}", ks)
         out.append(s)
+    return out
+
+
+def _with_test_groups(steps: list, groups: list) -> list:
+    """``steps`` with each group's test kernel where its first member's kernel was, and its
+    other members' kernels (and the training groups' they own) removed."""
+    member = {p.ensemble: g for g in groups for p in g.plans}
+    placed, out = set(), []
+    for s in steps:
+        if isinstance(s, Segment) and any(k.ensemble in member for k in s.kernels):
+            ks = []
+            for k in s.kernels:
+                g = member.get(k.ensemble)
+                if g is None:
+                    ks.append(k)
+                elif k.ensemble is g.plans[0].ensemble:
+                    ks.append(g.plans[0].kernels["test"])
+                    placed.add(g.name)
+            if not ks:
+                continue
+            s = Segment(s.name, tuple(ks))
+        out.append(s)
+    if len(placed) != len(groups):
+        raise CompileError(f"test forward: no kernel of the first member of fused group(s) "
+                           f"{sorted({g.name for g in groups} - placed)} is scheduled")
     return out
 
 
