@@ -9,10 +9,11 @@ import warnings
 
 import numpy as np
 import pytest
-from helpers import assert_scaled_close
+from helpers import WeightedSumLoss, assert_scaled_close, fill
 
+from latte import Net
 from latte.errors import DataError, ModelImportError
-from latte.stdlib import MemoryDataLayer, SoftmaxLossLayer
+from latte.stdlib import MeanPoolingLayer, MemoryDataLayer, SoftmaxLossLayer
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -231,6 +232,68 @@ def test_matmul_add_and_broadcast_constants(tmp_path):
         assert "y" not in {e.name for e in net.ensembles}   # the Add is the MatMul's bias
         assert_scaled_close(net.predict(x, y), want_y, RTOL, f"y at opt {opt}")
         assert_scaled_close(net.predict(x, z), want_z, RTOL, f"z at opt {opt}")
+
+
+IN_PLACE_ON_DATA_BUG = pytest.mark.xfail(strict=True, reason=(
+    "compiler bug: at opt 3 in Phase.TEST an in-place activation over a MemoryDataLayer of "
+    "a (C, H, W) sample followed by another reader (PReLU) gives zeros"))
+
+
+@pytest.mark.parametrize("opt", [0, pytest.param(3, marks=IN_PLACE_ON_DATA_BUG)])
+def test_more_ops_and_attributes(opt, tmp_path):
+    """Gemm with alpha, beta and an untransposed B, PRelu, Elu on the input itself, a padded
+    AveragePool counting the padding, GlobalMaxPool, batch norm on a 2-D input, Dropout with
+    a ratio input, Reshape to 2-D, Unsqueeze and Softmax at opset 12 (over all axes from
+    ``axis`` on), against onnxruntime."""
+    rng = np.random.default_rng(4)
+    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    inits = [("slope", np.abs(f32(3, 1, 1))), ("gb", f32(27, 7)), ("gc", f32(1, 7)),
+             ("shape", np.array([0, -1])), ("bn_s", f32(7)), ("bn_b", f32(7)), ("bn_m", f32(7)),
+             ("bn_v", np.abs(f32(7)) + 0.5), ("ratio", np.array(0.25, np.float32))]
+    nodes = [helper.make_node("Elu", ["x"], ["e"], alpha=0.7),
+             helper.make_node("PRelu", ["e", "slope"], ["p"]),
+             helper.make_node("AveragePool", ["p"], ["a"], kernel_shape=[3, 3], strides=[2, 2],
+                              pads=[1, 1, 1, 1], count_include_pad=1),
+             helper.make_node("GlobalMaxPool", ["p"], ["gm"]),
+             helper.make_node("Reshape", ["a", "shape"], ["r"]),
+             helper.make_node("Gemm", ["r", "gb", "gc"], ["g"], alpha=0.5, beta=2.0),
+             helper.make_node("BatchNormalization", ["g", "bn_s", "bn_b", "bn_m", "bn_v"], ["b"],
+                              epsilon=1e-3),
+             helper.make_node("Dropout", ["b", "ratio"], ["d"]),
+             helper.make_node("Unsqueeze", ["d"], ["u"], axes=[2]),
+             helper.make_node("Softmax", ["u"], ["y"], axis=1),
+             helper.make_node("Flatten", ["gm"], ["z"])]
+    model = make_model(nodes, [value("x", ["n", 3, 5, 5])], [value("y", ["n", 7, 1]),
+                                                               value("z", ["n", 3])], inits, opset=12)
+    path = tmp_path / "more.onnx"
+    onnx.save(model, path)
+    x = f32(SAMPLES, 3, 5, 5)
+    want_y, want_z = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    net, _, (y, z) = load_onnx(path, BATCH, opt_level=opt)
+    assert (y.shape, z.shape) == ((7, 1), (3,))
+    assert_scaled_close(net.predict(x, y), want_y, RTOL, "y")
+    assert_scaled_close(net.predict(x, z), want_z, RTOL, "z")
+
+
+def test_mean_pooling_without_padding_in_the_divisor():
+    """MeanPoolingLayer(count_include_pad=False) (what ONNX's AveragePool does by default)
+    is PyTorch's AvgPool2d with that option, in forward and input gradient (float64)."""
+    rng = np.random.default_rng(5)
+    for kernel, stride, pad in ((3, 2, 1), ((2, 3), 1, (1, 1)), (3, 3, 1)):
+        for opt in (0, 3):
+            net = Net(3, opt_level=opt)
+            data = MemoryDataLayer(net, "data", (2, 7, 6))
+            pool = MeanPoolingLayer("pool", net, data, kernel, stride, pad, count_include_pad=False)
+            loss = WeightedSumLoss(net, "loss", pool)
+            x = fill(net, data, rng)
+            net.forward()
+            net.backward()
+            xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+            yt = nn.functional.avg_pool2d(xt, kernel, stride, pad, count_include_pad=False)
+            (yt * torch.from_numpy(loss.w.astype(np.float64))).sum().backward()
+            what = f"kernel {kernel} stride {stride} pad {pad} opt {opt}"
+            assert_scaled_close(net.value(pool), yt.detach().numpy(), RTOL, f"forward, {what}")
+            assert_scaled_close(net.grad(data), xt.grad.numpy(), RTOL, f"input gradient, {what}")
 
 
 @pytest.mark.parametrize("node, inputs, match", [
