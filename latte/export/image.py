@@ -83,6 +83,11 @@ def model_image(net) -> ModelImage:
     plan: PredictPlan = _plan(net, None)
     program, memory = net.program, net._memory
     bufs = program.buffers
+    for step in plan.steps:
+        if not isinstance(step, (Segment, HostStep)):   # a loop over time steps
+            raise ExportError(f"cannot export: the test program runs {type(step).__name__} "
+                              f"{getattr(step, 'name', '')!r}, which the C driver does not run "
+                              "(recurrent nets are not exported yet)")
     _prepare(net, plan)
     segments = [s for s in plan.steps if isinstance(s, Segment)]
     constant = {bufs.value(s.ensemble) for s in plan.steps if isinstance(s, HostStep)}
