@@ -58,9 +58,10 @@ class Net(Graph):
     then holds per-ensemble forward/backward time; it is None otherwise.
     """
 
-    def __init__(self, batch_size: int, *, num_threads: int | None = None, opt_level: int = 3,
-                 seed: int | None = None, deterministic: bool = False, profile: bool = False):
-        super().__init__(batch_size)
+    def __init__(self, batch_size: int, *, time_steps: int = 1, num_threads: int | None = None,
+                 opt_level: int = 3, seed: int | None = None, deterministic: bool = False,
+                 profile: bool = False):
+        super().__init__(batch_size, time_steps)
         self.profile: Profile | None = Profile() if pick("profile", profile) else None
         self.num_threads = pick("num_threads", num_threads)
         if self.num_threads is None and distributed.active():
@@ -104,7 +105,7 @@ class Net(Graph):
             f = ens.fields[name]
             value, grad = (self._memory[b].reshape(f.given_shape)   # the shape the user gave
                            for b in (bufs.field(ens, name), bufs.field_grad(ens, name)))
-            self.params.append(Parameter(f"{ens.name}.{name}", value, grad,
+            self.params.append(Parameter(ens.field_name(name), value, grad,
                                          f.spec.lr_mult, f.spec.decay_mult))
         self._updater = Updater(self.params, [ParamBuffers(p.name, bufs.field(e, n),
                                                            bufs.field_grad(e, n))
@@ -207,20 +208,28 @@ class Net(Graph):
 
     # ------------------------------------------------------------ views
     def value(self, ens_or_name) -> np.ndarray:
-        """Writable ``(batch, *shape)`` view of an ensemble's values."""
+        """Writable ``(batch, *shape)`` view of an ensemble's values (``(time_steps, batch,
+        *shape)`` with time steps)."""
         self._ready()
-        return self._memory[self.program.buffers.value(self.ensemble(ens_or_name))]
+        return self._view(self.program.buffers.value(self.ensemble(ens_or_name)))
 
     def grad(self, ens_or_name) -> np.ndarray:
-        """Writable ``(batch, *shape)`` view of d loss / d value."""
+        """Writable view of d loss / d value, shaped as :meth:`value`."""
         self._ready()
-        return self._memory[self.program.buffers.grad(self.ensemble(ens_or_name))]
+        return self._view(self.program.buffers.grad(self.ensemble(ens_or_name)))
 
     def field(self, ens_or_name, name: str) -> np.ndarray:
         """Writable view of a neuron field's buffer: the field's array, with a leading batch
-        dimension for a ``Batch`` field (e.g. a pooling arg-max or a dropout mask)."""
+        dimension for a ``Batch`` field (e.g. a pooling arg-max or a dropout mask), and a
+        leading time dimension before it with time steps."""
         self._ready()
-        return self._memory[self.program.buffers.field(self.ensemble(ens_or_name), name)]
+        return self._view(self.program.buffers.field(self.ensemble(ens_or_name), name))
+
+    def _view(self, buf) -> np.ndarray:
+        array = self._memory[buf]
+        if buf.batched and self.time_steps > 1:
+            return array.reshape(self.time_steps, self.batch_size, *array.shape[1:])
+        return array
 
     @property
     def loss(self) -> float:

@@ -5,6 +5,8 @@ plan each batch, read it ahead on a thread and transform it
 (:mod:`latte.stdlib.transforms`). Labels are class indices (``y`` shaped ``(N,)`` or
 ``(N, 1)``: a label ensemble of shape ``(1,)``) or targets of any shape (``y`` shaped
 ``(N, *shape)``: a label ensemble of that shape, for regression or multi-label losses).
+In a net with time steps the data are sequences: ``X`` is ``(N, T, *sample_shape)`` and
+``y`` is ``(N, T)`` (or ``(N, T, *shape)``), one sample and one label per step.
 Bad data is an error naming the array and the sample before training starts: a nan or an
 inf in an in-memory ``X`` or ``y`` (HDF5 data is checked batch by batch as it is read), a
 test set whose samples have another shape, and (checked by the loss layer that reads the
@@ -46,8 +48,17 @@ def _array_pair(pair, what: str) -> tuple[Rows, Rows]:
     return Rows([x], [f"{what} X"]), Rows([y], [f"{what} y"])
 
 
-def _label_shape(y: Rows) -> tuple[int, ...]:
-    return y.shape[1:] if len(y.shape) > 1 else (1,)
+def _label_shape(y: Rows, steps: int = 1) -> tuple[int, ...]:
+    """The label ensemble's shape; with time steps, of one step's label."""
+    lead = 1 if steps == 1 else 2
+    return y.shape[lead:] if len(y.shape) > lead else (1,)
+
+
+def _check_steps(net, rows: Rows, what: str) -> None:
+    """In a net with time steps, samples and labels must be sequences of its length."""
+    if net.time_steps > 1 and (len(rows.shape) < 2 or rows.shape[1] != net.time_steps):
+        raise ShapeError(f"{what} has shape {rows.shape}; the net has time_steps="
+                         f"{net.time_steps}, so it must be (N, {net.time_steps}, ...)")
 
 
 def _unique_name(net, base: str) -> str:
@@ -63,17 +74,25 @@ def _layer(net, sets: dict, what: str, *, shuffle: bool, transform, prefetch: bo
            checked: bool) -> tuple[DataEnsemble, DataEnsemble]:
     """The data and label ensembles of a source over ``sets`` (phase -> (X, y) rows)."""
     x, y = sets[Phase.TRAIN]
+    for phase, (a, b) in sets.items():
+        _check_steps(net, a, f"{what} {phase.value} X")
+        _check_steps(net, b, f"{what} {phase.value} y")
+    steps = net.time_steps
     if Phase.TEST in sets:
         tx, ty = sets[Phase.TEST]
         for kind, a, b in (("samples", x, tx), ("labels", y, ty)):
-            if _label_shape(a) != _label_shape(b):
-                raise ShapeError(f"{what}: test {kind} have shape {_label_shape(b)}, train "
-                                 f"{kind} {_label_shape(a)}")
-    shape = x.shape[1:] if transform is None else transform.shape(x.shape[1:])
+            if _label_shape(a, steps) != _label_shape(b, steps):
+                raise ShapeError(f"{what}: test {kind} have shape {_label_shape(b, steps)}, "
+                                 f"train {kind} {_label_shape(a, steps)}")
+    sample = x.shape[1:] if steps == 1 else x.shape[2:]
+    if transform is not None and steps > 1:
+        raise ShapeError(f"{what}: transforms apply to images, not to sequences "
+                         f"(the net has time_steps={steps})")
+    shape = sample if transform is None else transform.shape(sample)
     source = ArraySource(net, sets, shuffle=shuffle, transform=transform, checked=checked,
                          prefetch=prefetch)
     source.data = DataEnsemble(net, _unique_name(net, "data"), shape, source)
-    source.label = DataEnsemble(net, _unique_name(net, "label"), _label_shape(y), source)
+    source.label = DataEnsemble(net, _unique_name(net, "label"), _label_shape(y, steps), source)
     return source.data, source.label
 
 

@@ -239,7 +239,7 @@ class ArraySource:
             self.cursor.update(cursor)
             self.epoch.update(epoch)
             self.order.update(orders)
-            self.rng.bit_generator.state = info["rng"]
+            pass
         return restore
 
     def check_labels(self, ens, who: str, *, classes: int | None = None,
@@ -281,8 +281,12 @@ class ArraySource:
         pending = self._pending.pop(phase, None)
         batch = pending[0].result() if pending else self._job(phase)()
         x, y = net.value(self.data), net.value(self.label)
-        x[...] = batch.x.reshape(x.shape)
-        y[...] = batch.y.reshape(y.shape)
+        if net.time_steps > 1:   # samples (batch, T, ...) -> buffers (T, batch, ...)
+            x[...] = batch.x.reshape(x.shape[1], x.shape[0], *x.shape[2:]).swapaxes(0, 1)
+            y[...] = batch.y.reshape(y.shape[1], y.shape[0], *y.shape[2:]).swapaxes(0, 1)
+        else:
+            x[...] = batch.x.reshape(x.shape)
+            y[...] = batch.y.reshape(y.shape)
         if self.prefetch:
             position = self._position(phase)
             self._pending[phase] = (self._thread().submit(self._job(phase)), position)

@@ -43,11 +43,11 @@ def test_dump_every_step(capfd, monkeypatch):
     assert "after tile_loops" not in err   # opt level 2 and up
 
 
-def test_recurrent_connection_is_an_error_until_time_steps_exist():
+def test_recurrent_connection_needs_time_steps():
     net = _mlp()
     fc = net.ensemble("fc")
     add_connections(net, fc, fc, lambda o: (o,), recurrent=True)
-    with pytest.raises(MappingError, match=r"'fc' -> 'fc'.*recurrent"):
+    with pytest.raises(MappingError, match=r"'fc' -> 'fc'.*recurrent.*time_steps=1"):
         net.init()
 
 
@@ -57,7 +57,7 @@ def test_a_cycle_is_an_error_naming_its_ensembles():
     fc1 = FullyConnectedLayer("fc1", net, x, 4)
     fc2 = FullyConnectedLayer("fc2", net, fc1, 4)
     add_connections(net, fc2, fc1, lambda o: (range(4),))   # fc1 reads fc2 reads fc1
-    with pytest.raises(MappingError, match=r"cycle .*'fc1'.*'fc2'"):
+    with pytest.raises(MappingError, match=r"cycle .*'fc1'.*'fc2'.*no recurrent"):
         net.init()
 
 

@@ -8,7 +8,15 @@ or ``LATTE_DUMP=llvm`` (comma-separated) to print the loop IR after steps and th
 from latte.compiler.ir import Buffer, Const, walk
 from latte.compiler.pipeline import STEPS, compile_net
 from latte.compiler.printer import format_ir
-from latte.compiler.program import EnsemblePlan, HostStep, Program, Segment
+from latte.compiler.program import (
+    EnsemblePlan,
+    HostStep,
+    Program,
+    Segment,
+    TimeSteps,
+    flat_steps,
+)
 
-__all__ = ["Program", "Segment", "HostStep", "EnsemblePlan", "STEPS", "compile_net", "format_ir",
+__all__ = ["Program", "Segment", "HostStep", "TimeSteps", "flat_steps", "EnsemblePlan", "STEPS",
+           "compile_net", "format_ir",
            "Buffer", "Const", "walk"]

@@ -3,7 +3,8 @@
 This is the AoS -> SoA step: a neuron's ``value`` becomes one slot of the ensemble's value
 buffer ``(batch, *shape)``, a field becomes (a view of) the user's array, a ``Batch`` field
 gets a leading batch dimension. An ActivationEnsemble owns no buffers: it works in place on
-its source's.
+its source's. With time steps the batch dimension holds ``T x batch`` items, step-major, and
+a time loop's kernels see step views (:class:`StepBuffers`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ def storage_owner(ens):
 class BufferPlan:
     """Creates each buffer once and hands out the same object for the same key."""
 
-    def __init__(self, batch_size: int, threads: int = 1):
-        self.batch_size = batch_size
+    def __init__(self, batch_size: int, threads: int = 1, time_steps: int = 1):
+        self.batch_size = batch_size * time_steps    # the items of every batched buffer
+        self.time_steps = time_steps
         self.threads = threads
         self.buffers: dict[tuple, Buffer] = {}
+        self.views: dict[Buffer, tuple[Buffer, int]] = {}   # step view -> (buffer, step shift)
 
     def _get(self, key: tuple, name: str, shape: tuple[int, ...], dtype: str = "float32",
              batched: bool = False) -> Buffer:
@@ -63,6 +66,53 @@ class BufferPlan:
         """A per-thread tile buffer: one ``shape`` slice per thread."""
         return self._get(("scratch", *key), name, (self.threads, *shape))
 
+    def input(self, conn, kind: str) -> Buffer:
+        """What a connection's ``"input"`` (the source's values) or ``"grad_input"`` is."""
+        return self.value(conn.source) if kind == "input" else self.grad(conn.source)
+
+    def step_view(self, buf: Buffer, shift: int) -> Buffer:
+        """One time step's rows of batched ``buf``: the current step's (``shift`` 0) or the
+        previous one's (-1). The runtime points it at the rows of each step in turn; before
+        step 0 the previous step is an array of its own (zeros; gradients there are dropped)."""
+        rows = self.batch_size // self.time_steps
+        view = self._get(("step", buf, shift), f"{buf.name}[t{shift:+d}]" if shift else
+                         f"{buf.name}[t]", (rows, *buf.shape[1:]), buf.dtype, batched=True)
+        self.views[view] = (buf, shift)
+        return view
+
+    def base(self, buf: Buffer) -> Buffer:
+        """The buffer a step view shows (``buf`` itself if it is none)."""
+        return self.views[buf][0] if buf in self.views else buf
+
     def private(self, buf: Buffer) -> Buffer:
         """Per-thread private copies of ``buf`` (gradients accumulated in parallel)."""
         return self._get((buf, "private"), f"{buf.name}.private", (self.threads, *buf.shape))
+
+
+class StepBuffers:
+    """The buffers as a time loop's kernels see them: every batched buffer as one step's
+    ``batch`` items, and a recurrent connection's source as the previous step's."""
+
+    def __init__(self, plan: BufferPlan):
+        self.plan = plan
+        self.batch_size = plan.batch_size // plan.time_steps
+        self.threads = plan.threads
+
+    def value(self, ens) -> Buffer:
+        return self.plan.step_view(self.plan.value(ens), 0)
+
+    def grad(self, ens) -> Buffer:
+        return self.plan.step_view(self.plan.grad(ens), 0)
+
+    def input(self, conn, kind: str) -> Buffer:
+        return self.plan.step_view(self.plan.input(conn, kind), -1 if conn.recurrent else 0)
+
+    def field(self, ens, name: str) -> Buffer:
+        buf = self.plan.field(ens, name)
+        return self.plan.step_view(buf, 0) if buf.batched else buf
+
+    def field_grad(self, ens, name: str) -> Buffer:
+        return self.plan.field_grad(ens, name)
+
+    def table(self, conn, shape: tuple[int, ...]) -> Buffer:
+        return self.plan.table(conn, shape)

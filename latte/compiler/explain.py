@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from latte.compiler import HostStep, Segment
+from latte.compiler import HostStep, Segment, TimeSteps
 from latte.compiler.autodiff import derived_backward, format_neuron
 from latte.compiler.fusion import planner_chain
 from latte.compiler.ir import Gemm, accesses, walk
@@ -100,6 +100,25 @@ def _normalized(program, stats: set, ran: set) -> list[str]:
     return out
 
 
+def _time(program) -> list[str]:
+    """The time loops: which ensembles run step by step, which once over every step."""
+    bufs = program.buffers
+    if bufs.time_steps == 1:
+        return []
+    batch = bufs.batch_size // bufs.time_steps
+    loops = [s for s in program.forward if isinstance(s, TimeSteps)]
+    looped = {k.ensemble for s in loops for seg in s.steps for k in seg.kernels}
+    once = [p.ensemble.name for p in program.plans if p.ensemble not in looped]
+    out = ["", f"time: {bufs.time_steps} steps of {batch} items"]
+    for loop in loops:
+        names = [k.ensemble.name for seg in loop.steps for k in seg.kernels]
+        out.append(f"  time loop {loop.name} (step by step, {batch} items a step; backward "
+                   f"from the last step down): {', '.join(names)}")
+    out.append(f"  once over all {bufs.batch_size} items (no recurrence): "
+               f"{', '.join(once) or 'none'}")
+    return out
+
+
 def describe(groups: list, budget: int) -> list[str]:
     """Each fused group, its tile heights and per-tile working set."""
     out = []
@@ -122,6 +141,7 @@ def explain_program(program) -> str:
            f"native code {'from the disk cache' if cached else 'compiled'}"]
     out += _locality(program)
     out += _test_phase(program)
+    out += _time(program)
     for plan in program.plans:
         ens = plan.ensemble
         out.append("")
@@ -132,6 +152,7 @@ def explain_program(program) -> str:
                 kind = "quasi-affine, strip-mined " + ", ".join(
                     f"{_dims(ens, (d,))} by {q}" for d, q in acc.quotients().items())
             pad = "" if acc.in_bounds else f", padded with {acc.conn.padding:g}"
+            pad += ", recurrent: the step before" if acc.conn.recurrent else ""
             out.append(f"  input {k} from {acc.conn.source.name!r}: {acc.length} values per "
                        f"neuron ({kind}{pad}); shared along {_dims(ens, acc.shared_dims())}")
             if acc.relation is not None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from latte.compiler import schedule
-from latte.compiler.buffers import BufferPlan
+from latte.compiler.buffers import BufferPlan, StepBuffers
 from latte.compiler.codegen import ModuleBuilder
 from latte.compiler.fingerprint import fingerprint
 from latte.compiler.fusion import (
@@ -49,6 +49,7 @@ from latte.compiler.program import EnsemblePlan, Program, Segment
 from latte.compiler.synthesis import synthesize
 from latte.compiler.verify import verify_kernel
 from latte.lang import DataEnsemble, Ensemble, NormalizationEnsemble
+from latte.lang.time import time_loops
 
 PHASES = ("forward", "backward")
 
@@ -68,6 +69,7 @@ class Compilation:
     test_groups: list = field(default_factory=list)  # more groups of the test forward alone
     first_touch: dict = field(default_factory=dict)  # ensemble -> gradients still zero there
     pre_zeroed: set = field(default_factory=set)     # gradients their first writer overwrites
+    stepped: dict = field(default_factory=dict)      # ensemble -> its time loop
     program: Program | None = None
 
     def kernels(self) -> list[Kernel]:
@@ -96,30 +98,38 @@ def _analyze(c: Compilation) -> None:
                        if isinstance(e, DataEnsemble) and not getattr(e, "needs_grad", False))
     c.plans = [EnsemblePlan(e, analyze_connections(c.net.connections_into(e)))
                for e in c.net.ensembles if isinstance(e, Ensemble)]
+    c.stepped = {e: loop for loop in time_loops(c.net) for e in loop.ensembles}
 
 
 def _synthesize(c: Compilation) -> None:
-    """Neuron bodies -> loop nests over (batch, ensemble dims), SoA buffer refs."""
+    """Neuron bodies -> loop nests over (batch, ensemble dims), SoA buffer refs; a time
+    loop's ensembles over one step's items (step views of the buffers)."""
     for plan in c.plans:
+        bufs = StepBuffers(c.bufs) if plan.ensemble in c.stepped else c.bufs
         for phase in PHASES:
-            plan.kernels[phase] = synthesize(plan.ensemble, phase, plan.accesses, c.bufs)
+            plan.kernels[phase] = synthesize(plan.ensemble, phase, plan.accesses, bufs)
+    c.dead |= {v for v in c.bufs.views if c.bufs.base(v) in c.dead}
 
 
 def _plan_fusion(c: Compilation) -> None:
     """Chains whose tile T reads only the producer's tiles near T (isl), sized to the cache."""
-    c.groups = fusion_groups(c.net, c.plans, c.budget, c.bufs.threads)
+    plans = [p for p in c.plans if p.ensemble not in c.stepped]
+    c.groups = fusion_groups(c.net, plans, c.budget, c.bufs.threads)
     # in Phase.TEST a batch norm's statistics are constants: it fuses with its convolution
-    c.test_groups = test_groups(c.net, c.plans, c.groups, c.budget, c.bufs.threads)
+    c.test_groups = test_groups(c.net, plans, c.groups, c.budget, c.bufs.threads)
 
 
 def _first_touch(c: Compilation) -> None:
     """Per ensemble, the gradient buffers its backward kernel is the first to touch (in
-    backward order): they are still zero when it runs. Host steps (losses) come first."""
+    backward order): they are still zero when it runs. Host steps (losses) come first. A
+    time loop's kernels touch a gradient at every step: none of them is its first writer."""
     seen = set(c.dead) | {c.bufs.grad(i) for e in c.net.ensembles
                           if isinstance(e, NormalizationEnsemble) for i in e.inputs}
     for plan in reversed(c.plans):
-        touched = {r.buffer for r in walk(plan.kernels["backward"].body) if isinstance(r, Ref)}
-        c.first_touch[plan.ensemble] = frozenset(b for b in touched - seen if b.key[1] == "grad")
+        touched = {c.bufs.base(r.buffer) for r in walk(plan.kernels["backward"].body)
+                   if isinstance(r, Ref)}
+        first = frozenset(b for b in touched - seen if b.key[1] == "grad")
+        c.first_touch[plan.ensemble] = frozenset() if plan.ensemble in c.stepped else first
         seen |= touched
 
 
@@ -128,6 +138,8 @@ def _fold_zero_init(c: Compilation, kernel: Kernel) -> Kernel:
     if kernel.phase != "backward":
         return fold_zero_init(kernel)[0]
     ens = kernel.ensemble
+    if ens in c.stepped:   # its parameters' gradients sum over the steps
+        return kernel
     zeroed = frozenset(c.bufs.field_grad(ens, f.name) for f in ens.params) | c.first_touch[ens]
     kernel, folded = fold_zero_init(kernel, zeroed)
     c.pre_zeroed |= folded
@@ -166,9 +178,11 @@ def _schedule(c: Compilation) -> None:
     net, bufs = c.net, c.bufs
     params = [(e, f.name) for e in net.ensembles if isinstance(e, Ensemble) for f in e.params]
     by_ens = {p.ensemble: p for p in c.plans}
-    forward = schedule.phase_steps(net.ensembles, by_ens, "forward", "fwd", c.split)
+    forward = schedule.phase_steps(net.ensembles, by_ens, "forward", "fwd", c.split,
+                                   c.stepped, bufs)
     test = schedule.test_steps(forward, c.groups, bufs, c.test_groups)
-    backward = schedule.phase_steps(reversed(net.ensembles), by_ens, "backward", "bwd", c.split)
+    backward = schedule.phase_steps(reversed(net.ensembles), by_ens, "backward", "bwd", c.split,
+                                    c.stepped, bufs)
     zero = parallelize(schedule.zero_grads(net, bufs, c.dead | c.pre_zeroed), bufs)
     if backward and isinstance(backward[0], Segment) and not c.split:
         backward[0] = Segment(backward[0].name, (zero, *backward[0].kernels))
@@ -231,8 +245,10 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     (and zeroing the gradients one of its own), so the runtime can act between ensembles:
     start gradient reductions over MPI, time each ensemble when profiling.
     """
-    c = Compilation(net, opt_level, BufferPlan(net.batch_size, threads if opt_level >= 2 else 1),
-                    split_segments, budget=cache_sizes()[2])  # a tile's working set: the L2
+    bufs = BufferPlan(net.batch_size, threads if opt_level >= 2 else 1,
+                      getattr(net, "time_steps", 1))
+    # a tile's working set: the L2
+    c = Compilation(net, opt_level, bufs, split_segments, budget=cache_sizes()[2])
     checked: dict[int, Kernel] = {}   # holds every checked kernel, so ids stay unique
     every_step = os.environ.get("LATTE_VERIFY") == "steps"
     for step in STEPS:

@@ -27,6 +27,25 @@ class HostStep:
     phase: str
 
 
+@dataclass(frozen=True)
+class TimeSteps:
+    """Steps run once per time step, t = 0..T-1 (backward: T-1..0). Before each step the
+    runtime points every step view (``views``: view, buffer, shift) at that step's rows."""
+
+    name: str
+    steps: tuple
+    reverse: bool
+    views: tuple
+
+
+def flat_steps(steps) -> list:
+    """``steps`` with each :class:`TimeSteps` replaced by the steps it runs."""
+    out = []
+    for s in steps:
+        out += flat_steps(s.steps) if isinstance(s, TimeSteps) else [s]
+    return out
+
+
 @dataclass
 class EnsemblePlan:
     """What the compiler decided for one ensemble (``latte explain`` prints it)."""
@@ -63,5 +82,7 @@ class Program:
 
     def segments(self) -> list[Segment]:
         """Every native segment, each once (the test forward shares unchanged ones)."""
-        steps = self.forward + self.backward + [s for s in self.test if s not in self.forward]
+        forward = flat_steps(self.forward)
+        steps = forward + flat_steps(self.backward) + [s for s in flat_steps(self.test)
+                                                       if s not in forward]
         return [s for s in steps if isinstance(s, Segment)]

@@ -7,15 +7,20 @@ from __future__ import annotations
 from latte.compiler.buffers import BufferPlan
 from latte.compiler.ir import Block, Kernel, accesses
 from latte.compiler.passes import drop_stores, localize
-from latte.compiler.program import HostStep, Segment
+from latte.compiler.program import HostStep, Segment, TimeSteps
 from latte.compiler.synthesis import zero_loop
 from latte.errors import CompileError
 from latte.lang import ActivationEnsemble, Ensemble, NormalizationEnsemble, Phase
 
 
-def phase_steps(ensembles, by_ens, phase: str, prefix: str, split: bool = False) -> list:
-    """Consecutive kernels grouped into segments (one per kernel when ``split``)."""
+def phase_steps(ensembles, by_ens, phase: str, prefix: str, split: bool = False,
+                loops: dict | None = None, bufs: BufferPlan | None = None) -> list:
+    """Consecutive kernels grouped into segments (one per kernel when ``split``); the
+    ensembles of a time loop (``loops``: ensemble -> :class:`~latte.lang.time.TimeLoop`)
+    into one :class:`TimeSteps` step, backward in reverse."""
     steps, run = [], []
+    loops = loops or {}
+    ensembles = list(ensembles)
 
     def flush():
         if run:
@@ -23,7 +28,15 @@ def phase_steps(ensembles, by_ens, phase: str, prefix: str, split: bool = False)
             run.clear()
 
     for ens in ensembles:
-        if ens in by_ens:
+        if ens in loops:
+            loop = loops[ens]
+            if ens is (loop.ensembles[-1] if phase == "backward" else loop.ensembles[0]):
+                flush()
+                members = [e for e in ensembles if loops.get(e) is loop]
+                inner = phase_steps(members, by_ens, phase, f"{prefix}{len(steps)}t", split)
+                steps.append(TimeSteps(f"{prefix}{len(steps)}", tuple(inner),
+                                       phase == "backward", _views(inner, bufs)))
+        elif ens in by_ens:
             kernel = by_ens[ens].kernels[phase]
             if kernel.body.stmts:
                 run.append(kernel)
@@ -34,6 +47,13 @@ def phase_steps(ensembles, by_ens, phase: str, prefix: str, split: bool = False)
             steps.append(HostStep(ens, phase))
     flush()
     return steps
+
+
+def _views(steps: list, bufs: BufferPlan) -> tuple:
+    """``(view, buffer, shift)`` of every step view the segments ``steps`` use."""
+    found = {a.buffer for s in steps for k in s.kernels for a in accesses(k.body)
+             if a.buffer in bufs.views}
+    return tuple((v, *bufs.views[v]) for v in sorted(found, key=lambda b: b.name))
 
 
 def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list = ()) -> list:
@@ -50,7 +70,8 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list 
     found = [accesses(k.body) for k in kernels]
     hosts = {bufs.value(i) for s in steps if isinstance(s, HostStep)
              and s.ensemble.reads_inputs(Phase.TEST) for i in s.ensemble.inputs}
-    read = hosts | {a.buffer for f in found for a in f if not a.written}
+    looped = {bufs.base(b) for s in steps if isinstance(s, TimeSteps) for b in _reads(s)}
+    read = hosts | looped | {a.buffer for f in found for a in f if not a.written}
     dead = {a.buffer for f in found for a in f if a.written and a.buffer.batched
             and a.buffer.key[1] not in ("value", "grad")} - read
     owners = {g.owner("forward").kernels["forward"].name: g for g in groups}
@@ -60,7 +81,8 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list 
         kernel = drop_stores(k, dead)
         if k.name in owners:
             values = [bufs.value(p.ensemble) for p in owners[k.name].plans]
-            elsewhere = hosts | {a.buffer for j, f in enumerate(found) if j != i for a in f}
+            elsewhere = hosts | looped | {a.buffer for j, f in enumerate(found) if j != i
+                                          for a in f}
             kernel = localize(kernel, set(values[:-1]) - {values[-1]} - elsewhere, bufs)
         if kernel is not k:
             test[k.name] = kernel
@@ -109,6 +131,12 @@ def _hoist_and_prune(forward: list, bufs: BufferPlan) -> list:
     later = {bufs.value(i) for s in early for i in s.ensemble.inputs}
     kept: list = []
     for step in reversed(forward):
+        if isinstance(step, TimeSteps):   # kept whole: its steps depend on each other
+            reads = {bufs.base(b) for b in _reads(step)}
+            needed |= reads
+            later |= reads
+            kept.append(step)
+            continue
         if isinstance(step, HostStep):
             if step not in early:
                 needed |= {bufs.value(i) for i in step.ensemble.inputs}
@@ -126,6 +154,12 @@ def _hoist_and_prune(forward: list, bufs: BufferPlan) -> list:
         if live:
             kept.append(Segment(step.name, tuple(reversed(live))))
     return early + kept[::-1]
+
+
+def _reads(loop: TimeSteps) -> set:
+    """The buffers (step views among them) a time loop's kernels read."""
+    return {a.buffer for s in loop.steps for k in s.kernels for a in accesses(k.body)
+            if not a.written}
 
 
 def zero_grads(net, bufs: BufferPlan, skip) -> Kernel:

@@ -257,8 +257,7 @@ class _Synth:
 
     def input_ref(self, r: NeuronRef) -> tuple[Ref, Expr | None]:
         access = self.accesses[r.conn]
-        src = access.conn.source
-        buf = self.bufs.value(src) if r.kind == "input" else self.bufs.grad(src)
+        buf = self.bufs.input(access.conn, r.kind)
         (i_expr,) = r.index
         if access.dims is None:
             return self._gather_ref(access, buf, self.expr(i_expr))

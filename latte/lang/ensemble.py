@@ -81,6 +81,9 @@ class Ensemble(BaseEnsemble):
         super().__init__(net, name, shape)
         self.neuron_type = neuron_type
         self.fields: dict[str, FieldData] = {}
+        # a layer made of several ensembles may publish a field under the layer's name
+        # (an LSTM's "lstm.weight_ih", as PyTorch names it): field -> public name
+        self.public_names: dict[str, str] = {}
         specs = field_specs(neuron_type)
         missing = set(specs) - set(fields)
         extra = set(fields) - set(specs)
@@ -90,6 +93,11 @@ class Ensemble(BaseEnsemble):
                             + (f"unknown fields {sorted(extra)}" if extra else ""))
         for fname, spec in specs.items():
             self.fields[fname] = self._field(fname, spec, fields[fname])
+
+    def field_name(self, fname: str) -> str:
+        """The name a field goes by in ``net.params`` and snapshots: ``"<ensemble>.<field>"``
+        unless the layer published it under another."""
+        return self.public_names.get(fname, f"{self.name}.{fname}")
 
     def _field(self, fname: str, spec: FieldSpec, given) -> FieldData:
         index_map = None

@@ -15,10 +15,13 @@ class Phase(enum.Enum):
 class Graph:
     """Holds ensembles (in creation order, which is a topological order) and connections."""
 
-    def __init__(self, batch_size: int):
+    def __init__(self, batch_size: int, time_steps: int = 1):
         if int(batch_size) <= 0:
             raise ShapeError(f"batch size must be positive, got {batch_size}")
+        if int(time_steps) <= 0:
+            raise ShapeError(f"time_steps must be positive, got {time_steps}")
         self.batch_size = int(batch_size)
+        self.time_steps = int(time_steps)
         self.ensembles: list = []
         self.connections: list = []
         self.frozen = False   # set once the net is compiled: the graph can no longer grow

@@ -26,6 +26,7 @@ from latte.lang import (
 )
 from latte.lang.ensemble import BaseEnsemble
 from latte.lang.inplace import give_copies
+from latte.lang.time import check_time, order_for_time, time_loops
 from latte.reference import tape
 from latte.reference.frame import Frame, Slot, Table, field_rows, gather_table
 from latte.reference.interp import run
@@ -37,8 +38,8 @@ def _owner(ens: BaseEnsemble) -> BaseEnsemble:
     return ens
 
 
-def _key(ens: BaseEnsemble, field: str) -> str:
-    return f"{ens.name}.{field}"
+def _key(ens: Ensemble, field: str) -> str:
+    return ens.field_name(field)
 
 
 class Reference:
@@ -46,7 +47,10 @@ class Reference:
 
     ``params`` / ``fields`` (``{"ens.field": array}``) override the arrays the ensembles
     were given (a Batch field's array is ``(batch, *field array shape)``, as
-    ``net.field`` shows it). After :meth:`forward`, ``values[name]`` is what
+    ``net.field`` shows it). With time steps every ensemble's arrays hold ``time_steps x
+    batch`` items, step-major, and a time loop's ensembles run one step at a time, reading
+    a recurrent connection's source at the step before (zeros before step 0). After
+    :meth:`forward`, ``values[name]`` is what
     ``net.value(name)`` shows; after :meth:`backward`, ``grads[name]`` what ``net.grad(name)``
     shows and ``param_grads["ens.field"]`` each parameter's gradient. An activation shares
     its source's value and gradient arrays. The reference never calls ``before_forward``
@@ -54,8 +58,14 @@ class Reference:
     """
 
     def __init__(self, net, params: dict | None = None, fields: dict | None = None):
-        give_copies(net)   # as the compiler does: activations that may not work in place
-        self.net, self.batch = net, net.batch_size
+        check_time(net)    # as the compiler does: activations that may not work in place get
+        give_copies(net)   # a copy, the time loops' ensembles are consecutive
+        order_for_time(net)
+        self.net, self.steps = net, net.time_steps
+        self.rows = net.batch_size * net.time_steps   # items of every step, step-major
+        self.batch = net.batch_size
+        lead = (self.steps, self.batch) if self.steps > 1 else (self.batch,)   # as net.value
+        self._loops = {e: loop for loop in time_loops(net) for e in loop.ensembles}
         self.phase = Phase.TRAIN
         self.loss = 0.0
         self.values: dict[str, np.ndarray] = {}
@@ -63,8 +73,8 @@ class Reference:
         for ens in net.ensembles:
             owner = _owner(ens)
             if owner is ens:
-                self.values[ens.name] = np.zeros((self.batch, *ens.shape))
-                self.grads[ens.name] = np.zeros((self.batch, *ens.shape))
+                self.values[ens.name] = np.zeros((*lead, *ens.shape))
+                self.grads[ens.name] = np.zeros((*lead, *ens.shape))
             else:
                 self.values[ens.name] = self.values[owner.name]
                 self.grads[ens.name] = self.grads[owner.name]
@@ -76,7 +86,7 @@ class Reference:
                     self.params[_key(ens, name)] = np.array(f.array, np.float64).reshape(f.given_shape)
                 elif f.spec.kind is FieldKind.BATCH:
                     self.fields[_key(ens, name)] = np.broadcast_to(
-                        f.array.astype(np.float64), (self.batch, *f.array.shape)).copy()
+                        f.array.astype(np.float64), (*lead, *f.array.shape)).copy()
                 else:
                     self.fields[_key(ens, name)] = np.array(f.array, np.float64)
         self._override(self.params, params or {}, "params")
@@ -109,7 +119,7 @@ class Reference:
     # ------------------------------------------------------------ running
     def forward(self, inputs: dict[str, np.ndarray], phase: Phase = Phase.TRAIN) -> None:
         """Run every ensemble's forward in net order; ``inputs`` holds a ``(batch, *shape)``
-        array for every data ensemble."""
+        (``(time_steps, batch, *shape)``) array for every data ensemble."""
         self.phase = phase
         for norm in self._norms.values():
             norm.phase = phase
@@ -125,26 +135,41 @@ class Reference:
                 raise ShapeError(f"Reference.forward: input {ens.name!r} has shape {x.shape}, "
                                  f"expected {self.values[ens.name].shape}")
             self.values[ens.name][...] = x.reshape(self.values[ens.name].shape)
-        for ens in self.net.ensembles:
+        for ens, t in self._order(reverse=False):
             if isinstance(ens, NormalizationEnsemble):
-                self._norms[ens.name].forward([self.values[i.name] for i in ens.inputs],
-                                              self.values[ens.name], self.batch)
+                self._norms[ens.name].forward([self._items(self.values, i) for i in ens.inputs],
+                                              self._items(self.values, ens), self.rows)
             elif isinstance(ens, Ensemble):
-                self._forward(ens)
+                self._forward(ens, t)
         self.loss = float(sum(n.loss for n in self._norms.values() if n.is_loss))
 
     def backward(self) -> None:
         """Zero every gradient, then back-propagate from the losses in reverse net order."""
         for g in (*self.grads.values(), *self.param_grads.values()):
             g[...] = 0.0
-        for ens in reversed(self.net.ensembles):
+        for ens, t in self._order(reverse=True):
             if isinstance(ens, NormalizationEnsemble):
-                self._norms[ens.name].backward([self.values[i.name] for i in ens.inputs],
-                                               [self.grads[i.name] for i in ens.inputs],
-                                               self.values[ens.name], self.grads[ens.name],
-                                               self.batch)
+                self._norms[ens.name].backward([self._items(self.values, i) for i in ens.inputs],
+                                               [self._items(self.grads, i) for i in ens.inputs],
+                                               self._items(self.values, ens),
+                                               self._items(self.grads, ens), self.rows)
             elif isinstance(ens, Ensemble):
-                self._backward(ens)
+                self._backward(ens, t)
+
+    def _order(self, reverse: bool):
+        """``(ensemble, step)`` in run order: an ensemble outside time loops once over all
+        steps (step None), a time loop's ensembles step by step."""
+        ensembles = self.net.ensembles[::-1] if reverse else self.net.ensembles
+        steps = range(self.steps)[::-1] if reverse else range(self.steps)
+        for i, ens in enumerate(ensembles):
+            loop = self._loops.get(ens)
+            if loop is None:
+                yield ens, None
+            elif i == 0 or self._loops.get(ensembles[i - 1]) is not loop:
+                members = [e for e in ensembles if self._loops.get(e) is loop]
+                for t in steps:
+                    for member in members:
+                        yield member, t
 
     def sgd_step(self, lr: float, momentum: float = 0.0, regu_coef: float = 0.0) -> None:
         """``hist = mom*hist + lr*lr_mult*(grad + regu*decay_mult*param)``; ``param -= hist``."""
@@ -157,8 +182,24 @@ class Reference:
                 self.params[k] -= self.history[k]
 
     # ------------------------------------------------------------ one ensemble
-    def _flat(self, arrays: dict, ens: BaseEnsemble) -> np.ndarray:
-        return arrays[ens.name].reshape(self.batch, -1)
+    def _flat(self, arrays: dict, ens: BaseEnsemble, t: int | None = None,
+              shift: int = 0) -> np.ndarray:
+        """``ens``'s rows of all steps (``t`` None), or of step ``t + shift`` (before step
+        0: zeros, whose gradients go nowhere)."""
+        flat = arrays[ens.name].reshape(self.rows, -1)
+        if t is None:
+            return flat
+        if t + shift < 0:
+            return np.zeros((self.batch, flat.shape[1]))
+        return flat[(t + shift) * self.batch:(t + shift + 1) * self.batch]
+
+    def _items(self, arrays: dict, ens: BaseEnsemble) -> np.ndarray:
+        """``ens``'s array as a normalization ensemble sees it: ``(items, *shape)``."""
+        return arrays[ens.name].reshape(self.rows, *ens.shape)
+
+    def _inputs(self, arrays: dict, tables: list[Table], t: int | None) -> list:
+        return [self._flat(arrays, tb.conn.source, t, -1 if tb.conn.recurrent else 0)
+                for tb in tables]
 
     def _setup(self, ens: Ensemble) -> list[Table]:
         if ens.name not in self._tables:
@@ -175,7 +216,7 @@ class Reference:
             self._bodies[ens.name, phase] = parse_method(ens.neuron_type, phase, info)
         return self._bodies[ens.name, phase]
 
-    def _slots(self, ens: Ensemble) -> dict[str, Slot]:
+    def _slots(self, ens: Ensemble, t: int | None) -> dict[str, Slot]:
         out = {}
         for name, f in ens.fields.items():
             k = _key(ens, name)
@@ -185,7 +226,10 @@ class Reference:
                 out[name] = Slot(f, self.params[k].reshape(n_rows, -1), rows,
                                  self.param_grads[k].reshape(n_rows, -1))
             elif f.spec.kind is FieldKind.BATCH:
-                out[name] = Slot(f, self.fields[k].reshape(self.batch, n_rows, -1), rows, None)
+                batch = self.fields[k].reshape(self.rows, n_rows, -1)
+                if t is not None:
+                    batch = batch[t * self.batch:(t + 1) * self.batch]
+                out[name] = Slot(f, batch, rows, None)
             else:
                 out[name] = Slot(f, self.fields[k].reshape(n_rows, -1), rows, None)
         return out
@@ -194,33 +238,33 @@ class Reference:
         """A data ensemble nobody asked the gradient of: the compiled net leaves it zero."""
         return isinstance(ens, DataEnsemble) and not getattr(ens, "needs_grad", False)
 
-    def _forward(self, ens: Ensemble) -> None:
+    def _forward(self, ens: Ensemble, t: int | None) -> None:
         tables = self._setup(ens)
-        sources = [self._flat(self.values, t.conn.source) for t in tables]
-        value = self._flat(self.values, ens)
+        sources = self._inputs(self.values, tables, t)
+        value = self._flat(self.values, ens, t)
         start = value.copy() if isinstance(ens, ActivationEnsemble) else 0.0
         if not defines_backward(ens.neuron_type):
-            self._saved[ens.name] = ([s.copy() for s in sources], start)
-        frame = Frame(ens, tables, sources, [None] * len(tables), self._slots(ens), start,
-                      self._flat(self.grads, ens), self.batch)
+            self._saved[ens.name, t] = ([s.copy() for s in sources], start)
+        frame = Frame(ens, tables, sources, [None] * len(tables), self._slots(ens, t), start,
+                      self._flat(self.grads, ens, t), len(value))
         run(self._body(ens, "forward", tables), frame)
         value[...] = np.broadcast_to(tape.raw(frame.value), value.shape)
 
-    def _backward(self, ens: Ensemble) -> None:
+    def _backward(self, ens: Ensemble, t: int | None) -> None:
         tables = self._setup(ens)
-        grads = [None if self._dead(t.conn.source) else self._flat(self.grads, t.conn.source)
-                 for t in tables]
-        grad = self._flat(self.grads, ens)
-        slots = self._slots(ens)
+        grads = [None if self._dead(tb.conn.source) else g
+                 for tb, g in zip(tables, self._inputs(self.grads, tables, t))]
+        grad = self._flat(self.grads, ens, t)
+        slots = self._slots(ens, t)
         if defines_backward(ens.neuron_type):
-            sources = [self._flat(self.values, t.conn.source) for t in tables]
-            value = self._flat(self.values, ens)
-            frame = Frame(ens, tables, sources, grads, slots, value, grad.copy(), self.batch)
+            sources = self._inputs(self.values, tables, t)
+            value = self._flat(self.values, ens, t)
+            frame = Frame(ens, tables, sources, grads, slots, value, grad.copy(), len(grad))
             run(self._body(ens, "backward", tables), frame)
             value[...] = np.broadcast_to(tape.raw(frame.value), value.shape)
             grad[...] = np.broadcast_to(tape.raw(frame.grad), grad.shape)
             return
-        sources, start = self._saved[ens.name]
+        sources, start = self._saved[ens.name, t]
         d_start = np.zeros_like(grad)
         if isinstance(start, np.ndarray):   # an activation: its input is its value
 
@@ -228,7 +272,7 @@ class Reference:
                 d_start[...] += g
 
             start = tape.Node(start, sink=sink)
-        frame = Frame(ens, tables, sources, grads, slots, start, grad, self.batch, trace=True)
+        frame = Frame(ens, tables, sources, grads, slots, start, grad, len(grad), trace=True)
         run(self._body(ens, "forward", tables), frame)
         tape.backprop([(frame.value, grad.copy())])
         if isinstance(ens, ActivationEnsemble):

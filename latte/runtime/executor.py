@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from latte.compiler import HostStep, Program, Segment
+from latte.compiler import HostStep, Program, Segment, TimeSteps, flat_steps
 from latte.compiler.codegen import BOUNDS_OFFSET, BOUNDS_SITE
 from latte.compiler.ir import Buffer, Ref, walk
 from latte.compiler.jit import CodeLibrary
@@ -62,6 +62,7 @@ class Executor:
         self._ready_grads = _ready_grads(program, memory) if comm is not None else {}
         self._update_grads: dict[int, list[np.ndarray]] = {}   # id(segment) -> its gradients
         self.code = NativeCode(program.library, program.segments(), memory.table)
+        self._slots = {b: i for i, b in enumerate(program.buffers.buffers.values())}
         steps = program.forward + program.backward + program.test
         fused = {(g.owner(phase).ensemble, phase): g.name
                  for g in program.groups for phase in ("forward", "backward")}
@@ -69,7 +70,6 @@ class Executor:
                         else {})
 
     def _run(self, steps, valid: int) -> None:
-        bufs, mem = self.program.buffers, self.memory
         for step in steps:
             if self.comm is not None:
                 self.comm.progress()
@@ -78,13 +78,48 @@ class Executor:
                 if step.name in self._ready_grads:
                     self.comm.start(self._ready_grads[step.name])
                 continue
-            ens = step.ensemble
-            values = [mem[bufs.value(i)] for i in ens.inputs]
-            if step.phase == "forward":
-                ens.forward(values, mem[bufs.value(ens)], valid)
-            else:
-                ens.backward(values, [mem[bufs.grad(i)] for i in ens.inputs],
-                             mem[bufs.value(ens)], mem[bufs.grad(ens)], valid)
+            if isinstance(step, TimeSteps):
+                self._time_steps(step, valid)
+                continue
+            self._host_step(step, valid)
+
+    def _host_step(self, step: HostStep, valid: int) -> None:
+        """A normalization ensemble's array code on its inputs' (and its own) arrays; with
+        time steps and a partial batch, on copies of the real items' rows, written back."""
+        bufs, mem, ens = self.program.buffers, self.memory, step.ensemble
+        rows = _real_rows(bufs, valid)
+        valid = bufs.batch_size if valid * bufs.time_steps >= bufs.batch_size else valid
+        if rows is not None:
+            valid = len(rows)
+        mine = [bufs.value(ens)] + ([bufs.grad(ens)] if step.phase == "backward" else [])
+        written = [bufs.grad(i) for i in ens.inputs] if step.phase == "backward" else mine
+        arrays = {b: mem[b] if rows is None else mem[b][rows]
+                  for b in [bufs.value(i) for i in ens.inputs] + mine + written}
+        values = [arrays[bufs.value(i)] for i in ens.inputs]
+        if step.phase == "forward":
+            ens.forward(values, arrays[bufs.value(ens)], valid)
+        else:
+            ens.backward(values, [arrays[bufs.grad(i)] for i in ens.inputs],
+                         arrays[bufs.value(ens)], arrays[bufs.grad(ens)], valid)
+        if rows is not None:
+            for b in written:
+                mem[b][rows] = arrays[b]
+
+    def _time_steps(self, loop: TimeSteps, valid: int) -> None:
+        """Run ``loop``'s steps once per time step, its step views on that step's rows."""
+        bufs, mem, table = self.program.buffers, self.memory, self.memory.table
+        views = []
+        for view, base, shift in loop.views:
+            if shift and base.key[1] != "value":
+                mem[view][...] = 0.0   # gradients into the step before step 0 are dropped
+            row = mem[view].nbytes
+            views.append((self._slots[view], mem[base].ctypes.data, row, shift,
+                          mem[view].ctypes.data))
+        steps = range(bufs.time_steps)
+        for t in (reversed(steps) if loop.reverse else steps):
+            for slot, start, row, shift, before in views:
+                table[slot] = start + (t + shift) * row if t + shift >= 0 else before
+            self._run(loop.steps, valid)
 
     def _run_profiled(self, steps, valid: int, phase: str) -> None:
         """:meth:`_run`, one step at a time under a clock (kept apart so that the unprofiled
@@ -136,6 +171,15 @@ class Executor:
             self.profile.count("update")
 
 
+def _real_rows(bufs, valid: int) -> np.ndarray | None:
+    """With time steps and a partial batch, the rows of a batched buffer that hold real
+    items (the first ``valid`` of every step); None where the first ``valid`` rows do."""
+    batch = bufs.batch_size // bufs.time_steps
+    if bufs.time_steps == 1 or valid >= batch:
+        return None
+    return (np.arange(bufs.time_steps)[:, None] * batch + np.arange(valid)).ravel()
+
+
 def step_label(step, fused: dict | None = None) -> str:
     """The profile row of a step: its ensembles' names in order, joined by ``+``; a kernel
     that belongs to no ensemble (zeroing gradients, the SGD update) as ``(kernel name)``.
@@ -146,6 +190,8 @@ def step_label(step, fused: dict | None = None) -> str:
     """
     if isinstance(step, HostStep):
         return step.ensemble.name
+    if isinstance(step, TimeSteps):   # one row for the whole loop
+        return "+".join(dict.fromkeys(step_label(s, fused) for s in step.steps))
     fused = fused or {}
     names = []
     for kernel in step.kernels:
@@ -169,7 +215,7 @@ def _ready_grads(program: Program, memory: Memory) -> dict[str, list[np.ndarray]
     """Per backward segment, the parameter gradients it is the last to write."""
     grads = {program.buffers.field_grad(ens, name) for ens, name in program.params}
     last = {}
-    for step in program.backward:
+    for step in flat_steps(program.backward):
         if isinstance(step, Segment):
             for kernel in step.kernels:
                 for node in walk(kernel.body):
