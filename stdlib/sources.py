@@ -239,7 +239,7 @@ class ArraySource:
             self.cursor.update(cursor)
             self.epoch.update(epoch)
             self.order.update(orders)
-            pass
+            self.rng.bit_generator.state = info["rng"]
         return restore
 
     def check_labels(self, ens, who: str, *, classes: int | None = None,
