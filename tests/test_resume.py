@@ -348,3 +348,27 @@ def test_sigkill_at_random_moments_leaves_a_whole_newest_snapshot(script, tmp_pa
     assert len(snapshots(out)) <= 2
     solve(sgd(out, 0, resume=True), build(script))   # a start removes killed writes' files
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_hdf5_data_resumes_exactly(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    from latte import Net
+    from latte.stdlib import FullyConnectedLayer, HDF5DataLayer, SoftmaxLossLayer
+
+    rng = np.random.default_rng(3)
+    for name, n in (("a.h5", 17), ("b.h5", 14)):   # a set of two files
+        with h5py.File(tmp_path / name, "w") as f:
+            f["data"] = rng.standard_normal((n, 6)).astype(np.float32)
+            f["label"] = rng.integers(0, 3, (n, 1))
+
+    def build_h5():
+        net = Net(4, seed=9, deterministic=True, num_threads=1)
+        data, label = HDF5DataLayer(net, [tmp_path / "a.h5", tmp_path / "b.h5"])
+        SoftmaxLossLayer("loss", net, FullyConnectedLayer("ip", net, data, 3), label)
+        return net
+    straight, first, resumed = build_h5(), build_h5(), build_h5()
+    h4 = solve(sgd(tmp_path / "a", 4), straight)
+    solve(sgd(tmp_path / "b", 2), first)
+    h = solve(sgd(tmp_path / "b", 4, resume=True), resumed)
+    assert h.train_loss == h4.train_loss[len(h4.train_loss) // 2:]
+    assert_same(params_of(resumed), params_of(straight))
