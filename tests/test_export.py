@@ -252,3 +252,27 @@ def test_exports_into_an_existing_folder_again(tmp_path, program):
     np.testing.assert_array_equal(_predict_in_c(program, model, x, 4), net.predict(x))
     assert sorted(os.listdir(model)) == sorted(
         ["latte_model.h", "liblatte_model.so", "main", "x.bin", "y.bin"])
+
+
+def test_onnx_model_exported_matches_pytorch(tmp_path, program):
+    """A model trained elsewhere: a ResNet-style PyTorch model with batch norm, imported from
+    ONNX and exported, gives PyTorch's eval outputs from C."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("onnx")
+    from test_onnx import export as to_onnx
+    from test_onnx import randomize_bn, resnet
+
+    from latte.onnx import load_onnx
+
+    torch.manual_seed(0)
+    model = resnet()
+    randomize_bn(model, np.random.default_rng(0))
+    to_onnx(model, (3, 16, 16), tmp_path / "model.onnx", dynamic=False, keep_bn=True)
+    net, _, _ = load_onnx(tmp_path / "model.onnx", 4, num_threads=1)
+    export(net, tmp_path / "lib")
+    x = np.random.default_rng(1).standard_normal((6, 3, 16, 16)).astype(np.float32)
+    with torch.no_grad():
+        expected = model.double()(torch.from_numpy(x).double()).numpy()
+    got = _predict_in_c(program, tmp_path / "lib", x, expected.shape[1])
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+    np.testing.assert_array_equal(got, net.predict(x))
