@@ -20,6 +20,7 @@ from latte.stdlib import (
     MaxPoolingLayer,
     MemoryDataLayer,
     ReLULayer,
+    RNNLayer,
     SoftmaxLossLayer,
 )
 
@@ -95,6 +96,28 @@ def test_every_ensemble_at_opt_3_matches_opt_0():
         ref, got = (net.predict(X_IMG[:11], name) for net in nets)
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max(),
                                    err_msg=name)
+
+
+@pytest.mark.parametrize("opt_level", [0, 3])
+def test_sequences(opt_level):
+    """With time steps, samples are (n, T, *shape) and so is the result."""
+    x = RNG.standard_normal((10, 3, 5)).astype(np.float32)
+    y = RNG.integers(0, 3, (10, 3))
+    net = Net(4, time_steps=3, seed=1, opt_level=opt_level)
+    data, label = ArrayDataLayer(net, (x, y), test=(x, y), shuffle=False)
+    out = FullyConnectedLayer("out", net, RNNLayer("rnn", net, data, 6), 3)
+    SoftmaxLossLayer("loss", net, out, label)
+    net.init()
+    expected = []
+    for _ in range(3):   # 4 + 4 + 2 sequences
+        net.forward(Phase.TEST)
+        expected.append(net.value(out)[:, :net.valid].swapaxes(0, 1).copy())
+    got = net.predict(x)
+    assert got.shape == (10, 3, 3)
+    np.testing.assert_array_equal(got, np.concatenate(expected))
+    assert net.predict(x[:1], "rnn").shape == (1, 3, 6)
+    with pytest.raises(ShapeError, match=r"samples of shape \(3, 5\)"):
+        net.predict(x[:, 0])
 
 
 def test_memory_data_layer_and_the_last_ensemble():

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from latte.compiler import HostStep
+from latte.compiler import HostStep, flat_steps
 from latte.compiler.ir import accesses
 from latte.errors import LatteError, ShapeError
 from latte.lang import DataEnsemble, Ensemble, NormalizationEnsemble, Phase, sources
@@ -154,7 +154,7 @@ def _make_plan(net, out) -> PredictPlan:
 
 
 def _writes(steps, buffer, bufs) -> bool:
-    """Whether one of ``steps`` writes ``buffer``."""
+    """Whether one of ``steps`` (a time loop's included) writes ``buffer``."""
     return any(bufs.value(s.ensemble) == buffer if isinstance(s, HostStep) else
                any(a.written and a.buffer == buffer for k in s.kernels for a in accesses(k.body))
-               for s in steps)
+               for s in flat_steps(steps))
