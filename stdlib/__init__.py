@@ -35,16 +35,27 @@ from latte.stdlib.pooling import (
     MeanNeuron,
     MeanPoolingLayer,
 )
+from latte.stdlib.recurrent import (
+    EmbeddingLayer,
+    EmbeddingNeuron,
+    GRUCellNeuron,
+    GRULayer,
+    LSTMCellNeuron,
+    LSTMHiddenNeuron,
+    LSTMLayer,
+    RNNCellNeuron,
+    RNNLayer,
+)
 from latte.stdlib.transforms import Mirror, Normalize, RandomCrop, Transform
 
-__all__ = ["AccuracyLayer", "AddLayer", "AddNeuron", "ArrayDataLayer", "BatchNormLayer",
-           "ConcatLayer", "ConvolutionLayer", "DropoutEnsemble", "DropoutLayer", "DropoutNeuron",
-           "ELULayer", "ELUNeuron", "EuclideanLossLayer", "FullyConnectedLayer",
-           "GlobalAveragePoolingLayer", "HDF5DataLayer", "LeakyReLULayer", "LeakyReLUNeuron",
-           "LogSumExpNeuron",
-           "LRNLayer", "LRNNeuron", "MaxNeuron", "MaxPoolingLayer", "MeanNeuron",
-           "MeanPoolingLayer", "MemoryDataLayer", "Mirror", "MulLayer", "MulNeuron", "Normalize",
-           "PReLULayer", "PReLUNeuron", "RandomCrop", "ReLULayer", "ReLUNeuron",
+__all__ = ["AccuracyLayer", "AddLayer", "AddNeuron", "ArrayDataLayer", "BatchNormLayer", "ConcatLayer",
+           "ConvolutionLayer", "DropoutEnsemble", "DropoutLayer", "DropoutNeuron", "ELULayer", "ELUNeuron",
+           "EmbeddingLayer", "EmbeddingNeuron", "EuclideanLossLayer", "FullyConnectedLayer",
+           "GlobalAveragePoolingLayer", "GRUCellNeuron", "GRULayer", "HDF5DataLayer", "LeakyReLULayer",
+           "LeakyReLUNeuron", "LogSumExpNeuron", "LRNLayer", "LRNNeuron", "LSTMCellNeuron",
+           "LSTMHiddenNeuron", "LSTMLayer", "MaxNeuron", "MaxPoolingLayer", "MeanNeuron", "MeanPoolingLayer",
+           "MemoryDataLayer", "Mirror", "MulLayer", "MulNeuron", "Normalize", "PReLULayer", "PReLUNeuron",
+           "RandomCrop", "ReLULayer", "ReLUNeuron", "RNNCellNeuron", "RNNLayer",
            "SigmoidCrossEntropyLossLayer", "SigmoidLayer", "SigmoidNeuron", "SoftmaxLayer",
-           "SoftmaxLossLayer", "SoftmaxNeuron", "TanhLayer", "TanhNeuron", "Transform",
-           "UnbiasedNeuron", "WeightedNeuron", "xavier"]
+           "SoftmaxLossLayer", "SoftmaxNeuron", "TanhLayer", "TanhNeuron", "Transform", "UnbiasedNeuron",
+           "WeightedNeuron", "xavier"]
