@@ -276,3 +276,15 @@ def test_onnx_model_exported_matches_pytorch(tmp_path, program):
     got = _predict_in_c(program, tmp_path / "lib", x, expected.shape[1])
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
     np.testing.assert_array_equal(got, net.predict(x))
+
+
+def test_export_recompiles_an_object_missing_from_the_cache(tmp_path, program):
+    """The cache entry of the net's code is gone: the IR is compiled again, to the same code."""
+    from latte.compiler import cache
+
+    net = _memory_net(3)
+    net.init()
+    cache.entry_path(net.program.library.key).unlink()
+    export(net, tmp_path / "model")
+    x = np.random.default_rng(4).standard_normal((5, 5)).astype(np.float32)
+    np.testing.assert_array_equal(_predict_in_c(program, tmp_path / "model", x, 4), net.predict(x))
