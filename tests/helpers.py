@@ -17,7 +17,8 @@ class WeightedSumLoss(NormalizationEnsemble):
     def __init__(self, net, name: str, input_ens, seed: int = 123):
         super().__init__(net, name, [input_ens], (1,))
         rng = np.random.default_rng(seed)
-        self.w = rng.standard_normal((net.batch_size, *input_ens.shape)).astype(np.float32)
+        self.w = rng.standard_normal((net.batch_size * net.time_steps, *input_ens.shape)).astype(
+            np.float32)
 
     def forward(self, inputs, value, valid):
         terms = (self.w.astype(np.float64) * inputs[0]).reshape(len(self.w), -1).sum(axis=1)

@@ -224,3 +224,15 @@ def test_sequences_of_the_wrong_length_are_an_error():
     net = Net(2, time_steps=3)
     with pytest.raises(ShapeError, match=r"time_steps=3.*\(N, 3, \.\.\.\)"):
         ArrayDataLayer(net, (np.zeros((4, 5, 2)), np.zeros((4, 5))))
+
+
+def test_predict_runs_sequences():
+    net = _build(elman, 3, 5, 4, 2)
+    x = np.random.default_rng(5).standard_normal((7, 5, N_IN)).astype(np.float32)
+    out = net.predict(x, output="h")
+    assert out.shape == (7, 5, N)
+    p = {k: net.params[i].value for i, k in enumerate("wub")}
+    h = np.zeros((7, N))
+    for t in range(5):
+        h = np.tanh(x[:, t] @ p["w"].T + h @ p["u"].T + p["b"][:, 0])
+        np.testing.assert_allclose(out[:, t], h, rtol=1e-5, atol=1e-6)

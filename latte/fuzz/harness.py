@@ -26,7 +26,8 @@ from latte.stdlib import DropoutEnsemble
 STEPS = 3                       # SGD steps after the first forward/backward
 LR = 0.01                       # the largest first step of any parameter element
 SGD = (0.5, 0.01)               # momentum, regu_coef
-TOL_LEVELS = 1e-4               # float32 against float32, relative to the array's scale
+TOL_LEVELS = 1e-4               # float32 against float32, relative to the array's scale, per
+                                # time step (recurrence carries each step's rounding onward)
 TOL_REFERENCE = 2e-4            # float32 against float64
 ATOL = 1e-5                     # float32 rounding of what an array's tiny entries sum
 NUDGE = 1e-5                    # a nudge that shows which entries hang on a near-tie
@@ -81,7 +82,8 @@ def build(seeds: list[int], cfg: Config, level: int, loss: Callable | None = Non
     """One net at ``level`` holding every case of ``seeds`` (compiled)."""
     os.environ.setdefault("LATTE_CHECK_BOUNDS", "1")
     os.environ.setdefault("LATTE_VERIFY", "steps")
-    net = Net(cfg.batch, num_threads=cfg.threads, opt_level=level, seed=0)
+    net = Net(cfg.batch, time_steps=cfg.time_steps, num_threads=cfg.threads, opt_level=level,
+              seed=0)
     cases = [build_case(net, s, loss, derived) for s in seeds]
     net.init()
     return net, cases
@@ -92,9 +94,9 @@ def _inputs(rngs: dict, net: Net, cases: list[Case]) -> dict[str, np.ndarray]:
     for case in cases:
         rng = rngs[case.seed]
         for e in case.inputs:
-            feed[e.name] = normal(rng, (net.batch_size, *e.shape))
+            feed[e.name] = normal(rng, net.value(e.name).shape)
         for e, n in case.labels:
-            feed[e.name] = rng.integers(0, n, (net.batch_size, 1)).astype(np.float32)
+            feed[e.name] = rng.integers(0, n, net.value(e.name).shape).astype(np.float32)
     return feed
 
 
@@ -127,7 +129,8 @@ def check_cases(seeds: list[int], *, level: int | None = None, reference: bool =
     nudges = np.random.default_rng([*seeds, 11])
     labels = {e.name for c in cases for e, _ in c.labels}   # class indices: never nudged
     out: list[Mismatch] = []
-    against = f"level 0 (level {level}, batch {cfg.batch}, {cfg.threads} thread(s))"
+    against = (f"level 0 (level {level}, batch {cfg.batch}, {cfg.time_steps} time step(s), "
+               f"{cfg.threads} thread(s))")
     lr = None
     for step, feed in enumerate(feeds):
         start = time.process_time()
@@ -136,7 +139,7 @@ def check_cases(seeds: list[int], *, level: int | None = None, reference: bool =
                 net.value(name)[...] = x
             net.forward(Phase.TRAIN)
             net.backward()
-        _compare_nets(out, f"step {step}", base, opt, TOL_LEVELS, against)
+        _compare_nets(out, f"step {step}", base, opt, TOL_LEVELS * cfg.time_steps, against)
         timings["run"] = timings.get("run", 0.0) + time.process_time() - start
         if refs is not None:
             start = time.process_time()
@@ -149,7 +152,8 @@ def check_cases(seeds: list[int], *, level: int | None = None, reference: bool =
         for net in (base, opt):
             net.update(lr, *SGD)
         for p, q in zip(base.params, opt.params):
-            _compare(out, f"step {step} update", p.name, q.value, p.value, TOL_LEVELS, against)
+            _compare(out, f"step {step} update", p.name, q.value, p.value,
+                     TOL_LEVELS * cfg.time_steps, against)
         if refs is not None:
             _reference_update(out, refs[0], base, step, lr, fragile)
     return out

@@ -1,5 +1,7 @@
 """Random nets: each case is a small DAG (seeded) of generated neurons, in-place activations
-and stdlib layers over ``MemoryDataLayer`` inputs, ending in losses.
+and stdlib layers over ``MemoryDataLayer`` inputs, ending in losses. In a net with time steps
+(a quarter of the configurations) generated neurons may also read, through a recurrent
+connection, their own values or a later ensemble's at the step before: recurrent cycles.
 
 :func:`build_case` adds case ``seed`` to any net; built twice with the same seed it adds the
 same ensembles, mappings and field arrays, so several nets (one per opt level) and several
@@ -41,11 +43,12 @@ MAX_WIDE = 4096        # largest ensemble that takes a wide source's shape
 @dataclass(frozen=True)
 class Config:
     """What one net of cases shares: batch size, threads, the optimized level it is
-    compared at (besides level 0)."""
+    compared at (besides level 0), time steps."""
 
     batch: int
     threads: int
     level: int
+    time_steps: int = 1
 
 
 @dataclass
@@ -61,7 +64,11 @@ class Case:
 def config(seed: int) -> Config:
     """The batch size, thread count and optimized level of case ``seed``."""
     rng = np.random.default_rng([seed, 1])
-    return Config(int(rng.integers(1, 6)), int(rng.integers(1, 3)), int(rng.integers(1, 4)))
+    cfg = Config(int(rng.integers(1, 6)), int(rng.integers(1, 3)), int(rng.integers(1, 4)))
+    steps = np.random.default_rng([seed, 6])   # a stream of its own: the rest stays as it was
+    if steps.random() < 0.25:
+        return Config(cfg.batch, cfg.threads, cfg.level, int(steps.integers(2, 5)))
+    return cfg
 
 
 def case_of(name: str) -> int | None:
@@ -194,7 +201,9 @@ def _copyable(ens) -> bool:
     return ens.size <= MAX_NEURONS or (ens.shape[-1] >= WIDE and ens.size <= MAX_WIDE)
 
 
-def _neuron(rng, net, name: str, pool: list, derived: float):
+def _neuron(rng, net, name: str, pool: list, derived: float, pending: list):
+    """A generated neuron over sources from ``pool``; in a net with time steps, perhaps with
+    a last input of its own shape whose (recurrent) source is chosen later (``pending``)."""
     first = pool[int(rng.integers(len(pool)))]
     if _copyable(first) and rng.random() < 0.15:
         # LRN-like: one-to-one and a window across the first dimension of the same source
@@ -207,13 +216,35 @@ def _neuron(rng, net, name: str, pool: list, derived: float):
         for _ in range(int(rng.integers(0, 3))):
             sources.append(first if rng.random() < 0.35 else pool[int(rng.integers(len(pool)))])
         conns = [_connect(rng, net, s, shape) for s in sources]
+        if net.time_steps > 1 and rng.random() < 0.6:
+            conns.append(_connect(rng, net, _Shaped(shape), shape))
     plan = neuron_source(f"N{name}", [_length(e) for e, _ in conns], rng,
                          backward=rng.random() >= derived)
     fields = {f.name: _field_array(rng, f, shape) for f in plan.fields}
     ens = Ensemble(net, name, _cls(plan), shape, **fields)
     for s, (entries, padding) in zip(sources, conns):
         add_connections(net, s, ens, _mapping(entries), padding=padding)
+    if len(conns) > len(sources):
+        pending.append((ens, conns[-1]))
     return ens
+
+
+@dataclass(frozen=True)
+class _Shaped:
+    """The shape of a recurrent source not chosen yet."""
+
+    shape: tuple
+
+
+def _recur(rng, net, pending: list, ens: list, readers: dict) -> None:
+    """Connect each pending recurrent input: from its own ensemble or from one created after
+    it with the same shape (a cycle through the step before, or a delayed read)."""
+    for sink, (entries, padding) in pending:
+        later = [e for e in ens[ens.index(sink):] if e.shape == sink.shape
+                 and not isinstance(e, DataEnsemble)]
+        src = later[int(rng.integers(len(later)))]
+        add_connections(net, src, sink, _mapping(entries), padding=padding, recurrent=True)
+        readers[src.name] += 1
 
 
 def _stdlib(rng, net, name: str, kind: str, src):
@@ -264,6 +295,7 @@ def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.
     ens = list(case.inputs)
     readers = {e.name: 0 for e in ens}
     sealed: set[str] = set()   # sources of in-place activations: nothing else may read them
+    pending: list = []         # recurrent inputs whose source is chosen at the end
 
     def pick(pool):
         return pool[int(rng.integers(len(pool)))]
@@ -278,7 +310,7 @@ def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.
         kind = str(rng.choice(kinds))
         name = f"{p}{i}{kind}"
         if kind == "neuron":
-            new = _neuron(rng, net, name, pool, derived)
+            new = _neuron(rng, net, name, pool, derived, pending)
             srcs = [c.source for c in net.connections_into(new)]
         elif kind in ("act", "stdact"):
             src = pick(free)
@@ -299,6 +331,7 @@ def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.
             readers[s.name] += 1
         readers[new.name] = 0
         ens.append(new)
+    _recur(rng, net, pending, ens, readers)
     _add_layers(np.random.default_rng([seed, 5]), net, p, ens, readers, sealed)
     sinks = [e for e in ens if readers[e.name] == 0 and e.name not in sealed
              and not isinstance(e, DataEnsemble)]

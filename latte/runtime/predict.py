@@ -156,5 +156,6 @@ def _make_plan(net, out) -> PredictPlan:
 def _writes(steps, buffer, bufs) -> bool:
     """Whether one of ``steps`` (a time loop's included) writes ``buffer``."""
     return any(bufs.value(s.ensemble) == buffer if isinstance(s, HostStep) else
-               any(a.written and a.buffer == buffer for k in s.kernels for a in accesses(k.body))
+               any(a.written and bufs.base(a.buffer) == buffer for k in s.kernels
+                   for a in accesses(k.body))
                for s in flat_steps(steps))
