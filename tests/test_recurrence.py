@@ -49,6 +49,20 @@ class SumNeuron(Neuron):
             self.value += 0.5 * self.inputs[1][k]
 
 
+class CellNeuron(Neuron):
+    """``value = tanh(x) / 2 + h_prev / 2`` (backward derived)."""
+
+    def forward(self):
+        self.value = math.tanh(self.inputs[0][0]) * 0.5 + self.inputs[1][0] * 0.5
+
+
+class GateNeuron(Neuron):
+    """``value = x * tanh(c)`` (backward derived)."""
+
+    def forward(self):
+        self.value = self.inputs[0][0] * math.tanh(self.inputs[1][0])
+
+
 def _params(rng) -> dict:
     return {"w": rng.standard_normal((N, N_IN)).astype(np.float32),
             "u": (0.5 * rng.standard_normal((N, N))).astype(np.float32),
@@ -84,6 +98,20 @@ def two_cell_cycle(net, rng):
     _head(net, b)
 
 
+def cell_and_hidden(net, rng):
+    """Two element-wise ensembles on a cycle, like an LSTM's cell and hidden state: at level
+    3 each step runs them as one loop over the step's items."""
+    x = MemoryDataLayer(net, "x", (N_IN,))
+    proj = FullyConnectedLayer("proj", net, x, N)
+    c = Ensemble(net, "c", CellNeuron, (N,))
+    add_connections(net, proj, c, lambda o: (o,))
+    h = Ensemble(net, "h", GateNeuron, (N,))
+    add_connections(net, proj, h, lambda o: (o,))
+    add_connections(net, c, h, lambda o: (o,))
+    add_connections(net, h, c, lambda o: (o,), recurrent=True)
+    _head(net, h)
+
+
 def delayed_and_out_of_order(net, rng):
     """An ensemble reading its input at the step before (no cycle), and a projection created
     after the recurrent cell that reads it (the step order is not the creation order)."""
@@ -114,7 +142,8 @@ def _feed(net: Net, rng) -> dict:
     return feed
 
 
-@pytest.mark.parametrize("make", [elman, two_cell_cycle, delayed_and_out_of_order])
+@pytest.mark.parametrize("make", [elman, two_cell_cycle, cell_and_hidden,
+                                  delayed_and_out_of_order])
 @pytest.mark.parametrize("level,threads", [(1, 1), (2, 2), (3, 2)])
 def test_bptt_matches_level_0_and_the_reference(make, level, threads):
     steps, batch = 5, 3
@@ -170,6 +199,14 @@ def test_only_the_recurrence_runs_step_by_step():
     assert "proj" in outside and "out" in outside
     assert [loop.reverse for loop in net.program.backward if isinstance(loop, TimeSteps)] == \
         [True, True]
+
+
+def test_element_wise_ensembles_of_a_step_run_as_one_loop():
+    net = _build(cell_and_hidden, 3, 3, 2, 2)
+    assert net.program.fused_steps == [("forward", ("c", "h")), ("backward", ("h", "c"))]
+    assert not net.program.plans[[p.ensemble.name for p in net.program.plans].index("h")
+                                 ].kernels["forward"].body.stmts
+    assert _build(cell_and_hidden, 2, 3, 2).program.fused_steps == []
 
 
 def test_a_cycle_without_a_recurrent_connection_is_an_error():

@@ -107,15 +107,17 @@ def _time(program) -> list[str]:
         return []
     batch = bufs.batch_size // bufs.time_steps
     loops = [s for s in program.forward if isinstance(s, TimeSteps)]
-    looped = {k.ensemble for s in loops for seg in s.steps for k in seg.kernels}
+    looped = {e for s in loops for e in s.ensembles}
     once = [p.ensemble.name for p in program.plans if p.ensemble not in looped]
     out = ["", f"time: {bufs.time_steps} steps of {batch} items"]
     for loop in loops:
-        names = [k.ensemble.name for seg in loop.steps for k in seg.kernels]
+        names = [e.name for e in loop.ensembles]
         out.append(f"  time loop {loop.name} (step by step, {batch} items a step; backward "
                    f"from the last step down): {', '.join(names)}")
     out.append(f"  once over all {bufs.batch_size} items (no recurrence): "
                f"{', '.join(once) or 'none'}")
+    for phase, names in program.fused_steps:
+        out.append(f"  one loop over a step's items ({phase}): {' + '.join(names)}")
     return out
 
 

@@ -46,6 +46,7 @@ from latte.compiler.passes import (
 )
 from latte.compiler.printer import format_ir
 from latte.compiler.program import EnsemblePlan, Program, Segment
+from latte.compiler.step_fusion import fuse_steps
 from latte.compiler.synthesis import synthesize
 from latte.compiler.verify import verify_kernel
 from latte.lang import DataEnsemble, Ensemble, NormalizationEnsemble
@@ -70,6 +71,7 @@ class Compilation:
     first_touch: dict = field(default_factory=dict)  # ensemble -> gradients still zero there
     pre_zeroed: set = field(default_factory=set)     # gradients their first writer overwrites
     stepped: dict = field(default_factory=dict)      # ensemble -> its time loop
+    fused_steps: list = field(default_factory=list)  # time-loop ensembles run as one loop
     program: Program | None = None
 
     def kernels(self) -> list[Kernel]:
@@ -189,7 +191,8 @@ def _schedule(c: Compilation) -> None:
     else:
         backward.insert(0, Segment("bwd_zero", (zero,)))
     c.program = Program(bufs, forward, backward, test, params, c.plans, c.opt_level,
-                        groups=c.groups, budget=c.budget, test_groups=c.test_groups)
+                        groups=c.groups, budget=c.budget, test_groups=c.test_groups,
+                        fused_steps=c.fused_steps)
 
 
 STEPS = (
@@ -209,6 +212,10 @@ STEPS = (
     Step("match_gemm", 1, lambda c, k: match_gemm(k)),
     Step("fold_zero_init", 1, _fold_zero_init),
     Step("fuse_groups", 3, _fuse_groups, per_kernel=False),
+    # a time loop's element-wise ensembles: one loop over the step's items
+    Step("fuse_steps", 3, lambda c: setattr(c, "fused_steps",
+                                            fuse_steps(c.plans, c.stepped, PHASES)),
+         per_kernel=False),
     # nests over the same tiles run tile by tile
     Step("fuse_nests", 2, lambda c, k: fuse_nests(k)),
     # batch x tiles across threads, private gradients reduced in thread order

@@ -36,6 +36,7 @@ class TimeSteps:
     steps: tuple
     reverse: bool
     views: tuple
+    ensembles: tuple = ()   # the loop's ensembles, in run order
 
 
 def flat_steps(steps) -> list:
@@ -79,6 +80,7 @@ class Program:
     groups: list = field(default_factory=list)   # fused groups (opt level 3)
     test_groups: list = field(default_factory=list)   # fused in the test forward alone
     budget: int = 0                               # bytes a tile's working set may use
+    fused_steps: list = field(default_factory=list)   # time-loop ensembles run as one loop
 
     def segments(self) -> list[Segment]:
         """Every native segment, each once (the test forward shares unchanged ones)."""

@@ -35,7 +35,7 @@ def phase_steps(ensembles, by_ens, phase: str, prefix: str, split: bool = False,
                 members = [e for e in ensembles if loops.get(e) is loop]
                 inner = phase_steps(members, by_ens, phase, f"{prefix}{len(steps)}t", split)
                 steps.append(TimeSteps(f"{prefix}{len(steps)}", tuple(inner),
-                                       phase == "backward", _views(inner, bufs)))
+                                       phase == "backward", _views(inner, bufs), tuple(members)))
         elif ens in by_ens:
             kernel = by_ens[ens].kernels[phase]
             if kernel.body.stmts:
