@@ -17,7 +17,8 @@ MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shuti
 pytestmark = [pytest.mark.mpi,
               pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")]
 
-# a tiny MLP trained by solve(); B, OUT, FAIL_AT, SOLVER and CLIP come from the environment
+# a tiny MLP (or, with T, an RNN over T steps) trained by solve(); B, OUT, FAIL_AT, SOLVER,
+# CLIP and T come from the environment
 SCRIPT = textwrap.dedent('''
     import json, os
     import numpy as np
@@ -27,14 +28,19 @@ SCRIPT = textwrap.dedent('''
     from latte.solvers import LRPolicy, MomPolicy, SolverParameters, solve
     from latte.solvers.snapshots import newest_snapshot
     from latte.stdlib import (AccuracyLayer, ArrayDataLayer, FullyConnectedLayer, ReLULayer,
-                              SoftmaxLossLayer)
+                              RNNLayer, SoftmaxLossLayer)
 
     rng = np.random.default_rng(1)
-    X, y = rng.standard_normal((64, 12)).astype(np.float32), rng.integers(0, 4, 64)
-    Xt, yt = rng.standard_normal((21, 12)).astype(np.float32), rng.integers(0, 4, 21)
-    net = Net(int(os.environ["B"]), seed=3)
+    T = int(os.environ.get("T", 1))
+    seq = (T,) if T > 1 else ()
+    X, y = rng.standard_normal((64, *seq, 12)).astype(np.float32), rng.integers(0, 4, (64, *seq))
+    Xt, yt = rng.standard_normal((21, *seq, 12)).astype(np.float32), rng.integers(0, 4, (21, *seq))
+    net = Net(int(os.environ["B"]), time_steps=T, seed=3)
     data, label = ArrayDataLayer(net, (X, y), test=(Xt, yt))
-    h = ReLULayer("relu1", net, FullyConnectedLayer("ip1", net, data, 16))
+    if T > 1:
+        h = RNNLayer("rnn", net, data, 16)
+    else:
+        h = ReLULayer("relu1", net, FullyConnectedLayer("ip1", net, data, 16))
     h = FullyConnectedLayer("ip2", net, h, 4)
     SoftmaxLossLayer("loss", net, h, label)
     AccuracyLayer("acc", net, h, label)
@@ -83,8 +89,8 @@ def _results(out):
     return params, json.loads((out / "history.json").read_text())
 
 
-@pytest.mark.parametrize("solver", [{}, {"SOLVER": "Adam", "CLIP": 0.1}],
-                         ids=["sgd", "adam_clipped"])
+@pytest.mark.parametrize("solver", [{}, {"SOLVER": "Adam", "CLIP": 0.1}, {"T": 5}],
+                         ids=["sgd", "adam_clipped", "rnn"])
 def test_two_ranks_train_like_one_process_at_twice_the_batch(tmp_path, solver):
     """Gradients are reduced over ranks before the update (and the clipping norm)."""
     one, out1 = _run(tmp_path, 1, 16, "one", **solver)

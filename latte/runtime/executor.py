@@ -68,6 +68,8 @@ class Executor:
                  for g in program.groups for phase in ("forward", "backward")}
         self._labels = ({id(s): step_label(s, fused) for s in steps} if profile is not None
                         else {})
+        if profile is not None:
+            profile.count_flops(program, self._labels)
 
     def _run(self, steps, valid: int) -> None:
         for step in steps:
@@ -80,6 +82,8 @@ class Executor:
                 continue
             if isinstance(step, TimeSteps):
                 self._time_steps(step, valid)
+                if step.name in self._ready_grads:
+                    self.comm.start(self._ready_grads[step.name])
                 continue
             self._host_step(step, valid)
 
@@ -175,7 +179,7 @@ def _real_rows(bufs, valid: int) -> np.ndarray | None:
     """With time steps and a partial batch, the rows of a batched buffer that hold real
     items (the first ``valid`` of every step); None where the first ``valid`` rows do."""
     batch = bufs.batch_size // bufs.time_steps
-    if bufs.time_steps == 1 or valid >= batch:
+    if bufs.time_steps == 1 or valid >= batch or valid == 0:   # none real: no copies either
         return None
     return (np.arange(bufs.time_steps)[:, None] * batch + np.arange(valid)).ravel()
 
@@ -212,12 +216,13 @@ def _param_grads(segment: Segment, program: Program) -> list:
 
 
 def _ready_grads(program: Program, memory: Memory) -> dict[str, list[np.ndarray]]:
-    """Per backward segment, the parameter gradients it is the last to write."""
+    """Per backward segment (or time loop: its steps add to a gradient at every time step),
+    the parameter gradients it is the last to write."""
     grads = {program.buffers.field_grad(ens, name) for ens, name in program.params}
     last = {}
-    for step in flat_steps(program.backward):
-        if isinstance(step, Segment):
-            for kernel in step.kernels:
+    for step in program.backward:
+        if isinstance(step, (Segment, TimeSteps)):
+            for kernel in [k for s in flat_steps([step]) for k in s.kernels]:
                 for node in walk(kernel.body):
                     for f in dataclasses.fields(node):
                         buf = getattr(node, f.name)
