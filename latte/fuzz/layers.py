@@ -23,6 +23,7 @@ from latte.stdlib import (
     GlobalAveragePoolingLayer,
     LeakyReLULayer,
     LRNLayer,
+    MeanPoolingLayer,
     MulLayer,
     PReLULayer,
     ReLULayer,
@@ -169,3 +170,13 @@ def _target_loss(rng, net, name, src, pool):
 
 
 LAYERS.append(Layer("targetloss", lambda src: True, _target_loss))
+
+
+# ---- mean pooling with the padding left out of the divisor (ONNX's AveragePool, issue 14)
+def _mean_pool_exclusive(rng, net, name, src, pool):
+    k = int(rng.integers(2, min(*src.shape[1:], 3) + 1))   # image(): H, W >= 2
+    return MeanPoolingLayer(name, net, src, k, int(rng.integers(1, 3)), int(rng.integers(1, k)),
+                            count_include_pad=False)
+
+
+LAYERS.append(Layer("meanpool_exclusive", image, _mean_pool_exclusive))
