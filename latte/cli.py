@@ -182,11 +182,12 @@ def _run(args: argparse.Namespace, script: str) -> int:
         elapsed = time.perf_counter() - start
     if profiler and leader:
         profiler.report(elapsed, sys.stderr)
-        profiled = [n for n in nets if n.profile is not None and n.profile.calls["forward"]]
+        profiled = [n for n in nets if n.profile is not None
+                    and (n.profile.calls["forward"] or n.profile.calls["test"])]
         for i, net in enumerate(profiled):
             if len(profiled) > 1:
-                print(f"net {i + 1} of {len(profiled)} (batch size {net.batch_size}), ",
-                      end="", file=sys.stderr)
+                print(f"net {i + 1} of {len(profiled)} (batch size {net.batch_size}):",
+                      file=sys.stderr)
             print(net.profile.format(), file=sys.stderr)
     return 0
 

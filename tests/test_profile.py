@@ -1,13 +1,31 @@
-"""``Net(profile=True)``: per-ensemble time, without changing what the net computes."""
+"""``Net(profile=True)``: per-ensemble time, without changing what the net computes; the
+operations the compiler counts per ensemble (exact for FC and convolution layers and a time
+loop) and the machine's peak, measured once per machine and cached."""
 
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pytest
+from test_recurrence import N, N_IN, elman
 
 from latte import Net, Phase
+from latte.compiler import machine
+from latte.compiler.machine import Peak
 from latte.runtime.profile import Profile
-from latte.stdlib import ArrayDataLayer, FullyConnectedLayer, ReLULayer, SoftmaxLossLayer
+from latte.stdlib import (
+    ArrayDataLayer,
+    ConvolutionLayer,
+    FullyConnectedLayer,
+    MemoryDataLayer,
+    ReLULayer,
+    SoftmaxLossLayer,
+)
+
+FAKE = Peak(cpu="Test CPU 9000", llvm_cpu="testcpu", vector_bits=256, blas="OpenBLAS test",
+            gflops=50.0)
 
 
 def _mlp(profile: bool, opt_level: int = 3) -> Net:
@@ -57,8 +75,8 @@ def test_profile_times_each_ensemble_per_phase():
     assert prof.total_ms() == pytest.approx(sum(sum(c[p] for p in ("forward", "backward",
                                                                      "update"))
                                                 for c in ms.values()))
-    table = prof.format()
-    assert "3 iterations" in table and "test-phase forward" in table
+    table = prof.format(FAKE)
+    assert "3 iterations" in table and "test-phase forward (1 call)" in table
     assert all(f"  {name} " in table for name in ms)
 
 
@@ -82,3 +100,172 @@ def test_a_fused_group_is_one_row():
     fused = {member for group in names for member in group.split("+")}
     assert {"conv", "relu", "pool", "fc"} <= fused | set(ms)
     assert not fused & set(ms)
+
+
+# ---------------------------------------------------------------- operations per ensemble
+
+def _flops(net: Net, row: str) -> dict[str, int]:
+    return {p: net.profile.flops[row][p] for p in ("forward", "backward", "test")}
+
+
+@pytest.mark.parametrize("opt_level", [0, 3])
+def test_flops_of_a_fully_connected_layer(opt_level):
+    b, i, o = 16, 64, 32   # large enough for GEMMs at level 3
+    net = Net(b, num_threads=1, opt_level=opt_level, profile=True)
+    FullyConnectedLayer("fc", net, MemoryDataLayer(net, "data", (i,)), o)
+    net.init()
+    mac = 2 * b * i * o   # per product; the bias adds once per output
+    assert _flops(net, "fc") == {"forward": mac + b * o, "backward": 2 * mac + b * o,
+                                 "test": mac + b * o}
+
+
+def _in_bounds(size: int, kernel: int, stride: int, pad: int) -> int:
+    """(output, kernel offset) pairs of one dimension that read inside the image."""
+    out = (size + 2 * pad - kernel) // stride + 1
+    pos = np.arange(out)[:, None] * stride + np.arange(kernel)[None, :] - pad
+    return int(((pos >= 0) & (pos < size)).sum())
+
+
+@pytest.mark.parametrize("opt_level,pad,stride", [(0, 0, 1), (3, 0, 1), (3, 1, 1), (3, 1, 2)])
+def test_flops_of_a_convolution(opt_level, pad, stride):
+    b, c, size, n, k = 4, 3, 10, 8, 3
+    net = Net(b, num_threads=1, opt_level=opt_level, profile=True)
+    ConvolutionLayer("conv", net, MemoryDataLayer(net, "data", (c, size, size)), n, k,
+                     stride=stride, pad=pad)
+    net.init()
+    out = (size + 2 * pad - k) // stride + 1
+    mac = 2 * b * n * out * out * c * k * k   # the textbook count: padding included
+    bias = b * n * out * out
+    # level 3 multiplies gathered (zero-padded) columns, and the input gradient's columns
+    # are scattered back: one add per column entry that lands inside the image
+    scatter = b * c * _in_bounds(size, k, stride, pad) ** 2 if opt_level else 0
+    assert _flops(net, "conv") == {"forward": mac + bias, "backward": 2 * mac + bias + scatter,
+                                   "test": mac + bias}
+
+
+@pytest.mark.parametrize("opt_level", [0, 3])
+def test_flops_of_a_time_loop_count_every_step(opt_level):
+    def build(steps: int, batch: int) -> Net:
+        net = Net(batch, time_steps=steps, opt_level=opt_level, num_threads=1, profile=True)
+        elman(net, np.random.default_rng(0))
+        net.init()
+        return net
+
+    short, long = build(2, 3), build(4, 3)
+    assert any(type(s).__name__ == "TimeSteps" for s in long.program.forward)
+    # per step and item, each of N cells: N_IN + N multiply-adds, a bias add and a tanh
+    per_item = N * (2 * N_IN + 2 * N + 2)
+    assert _flops(short, "h")["forward"] == 2 * 3 * per_item
+    assert _flops(long, "h")["forward"] == 4 * 3 * per_item
+    assert _flops(long, "h")["backward"] == 2 * _flops(short, "h")["backward"] > 0
+
+
+# ---------------------------------------------------------------- the table and the peak
+
+def _columns(table: str, title: str) -> dict[str, list[str]]:
+    """The rows (name -> cells) of the table under the line starting with ``title``."""
+    lines = table.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(title))
+    rows = {}
+    for line in lines[start + 1:]:
+        if not line.startswith("  "):
+            break
+        name, *cells = line.split()
+        rows[name] = cells
+    return rows
+
+
+def test_the_table_gives_gflops_and_share_of_peak():
+    net = _mlp(True)
+    _train(net, 3)
+    net.forward(Phase.TEST)
+    prof = net.profile
+    table = prof.format(FAKE)
+    assert table.splitlines()[0] == ("machine: Test CPU 9000 (testcpu, 256-bit vectors); peak: "
+                                     "sgemm on one core 50.0 GFLOP/s x 1 thread = 50.0 GFLOP/s")
+    train = _columns(table, "per ensemble, ms per training iteration")
+    assert train["ensemble"] == ["forward", "backward", "total", "share", "GFLOP/s", "%",
+                                 "peak"]
+    for name in ("ip1", "ip2"):   # forward and backward operations over their time
+        rate = prof.gflops(name, ("forward", "backward"))
+        assert rate > 0
+        assert float(train[name][4]) == pytest.approx(rate, abs=0.006)
+        assert float(train[name][5].rstrip("%")) == pytest.approx(100 * rate / 50.0, abs=0.06)
+    assert train["(data)"][4:] == ["-", "-"] and train["(sgd_update)"][4:] == ["-", "-"]
+    ms = prof.ms_per_call()
+    flops = sum(prof.flops[r]["forward"] + prof.flops[r]["backward"] for r in prof.flops)
+    total_ms = sum(c[p] for c in ms.values() for p in ("forward", "backward", "update"))
+    assert float(train["total"][4]) == pytest.approx(flops / total_ms / 1e6, abs=0.006)
+    test = _columns(table, "per ensemble, ms per test-phase forward")
+    assert test["ensemble"] == ["test", "share", "GFLOP/s", "%", "peak"]
+    assert float(test["ip1"][2]) == pytest.approx(prof.gflops("ip1", ("test",)), abs=0.006)
+
+
+def test_an_inference_only_profile_has_the_test_table_alone():
+    net = _mlp(True)
+    net.forward(Phase.TEST)
+    table = net.profile.format(FAKE)
+    assert "training iteration" not in table
+    assert set(_columns(table, "per ensemble, ms per test-phase forward")) >= {"ip1", "total"}
+
+
+def test_the_peak_at_n_threads_is_n_cores():
+    net = Net(4, num_threads=2, profile=True)
+    FullyConnectedLayer("fc", net, MemoryDataLayer(net, "data", (8,)), 4)
+    net.init()
+    net.forward(Phase.TEST)
+    table = net.profile.format(FAKE)
+    assert "x 2 threads = 100.0 GFLOP/s" in table.splitlines()[0]
+    rate = net.profile.gflops("fc", ("test",))
+    pct = _columns(table, "per ensemble, ms per test-phase forward")["fc"][3]
+    assert float(pct.rstrip("%")) == pytest.approx(100 * rate / 100.0, abs=0.06)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_the_peak_is_measured_once_and_cached(cache, monkeypatch):
+    calls = []
+
+    def fake() -> float:
+        calls.append(1)
+        return 42.5
+
+    first = machine.peak(fake)
+    assert calls == [1] and first.gflops == 42.5 and first.at(3) == pytest.approx(127.5)
+    files = list(cache.glob("peak-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["gflops"] == 42.5
+    assert machine.peak(fake) == first and calls == [1]   # read back, not measured
+    # format() without a peak takes the cached one: nothing is measured
+    net = _mlp(True)
+    net.forward(Phase.TEST)
+    assert "one core 42.5 GFLOP/s" in net.profile.format()
+    assert calls == [1]
+    # a damaged file is measured again; another BLAS (or CPU) has a file of its own
+    files[0].write_text("{not json")
+    assert machine.peak(fake).gflops == 42.5 and calls == [1, 1]
+    host = machine.host()
+    monkeypatch.setattr(machine, "host", lambda: {**host, "blas": "OpenBLAS 9.9"})
+    assert machine.peak(lambda: 7.0).gflops == 7.0
+    assert len(list(cache.glob("peak-*.json"))) == 2
+
+
+def test_measure_sgemm_times_one_thread_and_restores_the_pool():
+    from latte.compiler.blas import blas, set_blas_threads
+
+    set_blas_threads(2)
+    try:
+        rate = machine.measure_sgemm(sizes=(64,), seconds=0.01)
+        assert np.isfinite(rate) and rate > 0
+        assert blas().scipy_openblas_get_num_threads() == 2
+    finally:
+        set_blas_threads(1)
+
+
+def test_host_names_the_cpu_and_vector_width():
+    info = machine.host()
+    assert info["vector_bits"] in (128, 256, 512) and info["cpu"] and info["llvm_cpu"]
+    assert re.match(r"OpenBLAS \d", info["blas"])

@@ -1,9 +1,21 @@
-"""What the compiler needs to know about the machine: cache sizes, read from sysfs."""
+"""What the compiler needs to know about the machine: cache sizes, read from sysfs; and what
+the profiler measures its speed against: one core's peak (:func:`peak`)."""
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import functools
+import hashlib
+import json
+import math
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 _SYS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
 _DEFAULTS = {1: 32 << 10, 2: 1 << 20, 3: 8 << 20}
@@ -27,3 +39,111 @@ def cache_sizes() -> dict[int, int]:
         except (OSError, ValueError):
             continue
     return sizes
+
+
+# ---------------------------------------------------------------- the peak (the profiler's yardstick)
+
+#: Square sizes of the sgemm timed for the peak: a cache-resident one (finishes within a
+#: scheduler slice on a loaded machine) and a larger one.
+PEAK_SIZES = (512, 1024)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """One core's floating-point peak, as an OpenBLAS sgemm on one thread reaches it; the
+    peak at N threads is taken as N times that (not measured)."""
+
+    cpu: str            # the CPU's model name
+    llvm_cpu: str       # LLVM's name for it (the code latte generates is made for it)
+    vector_bits: int    # the widest float vectors it has
+    blas: str           # the OpenBLAS build that was timed
+    gflops: float       # one core, single precision
+
+    def at(self, threads: int) -> float:
+        """GFLOP/s at ``threads`` threads: one core's times ``threads``."""
+        return self.gflops * max(threads, 1)
+
+    def describe(self, threads: int) -> str:
+        return (f"{self.cpu} ({self.llvm_cpu}, {self.vector_bits}-bit vectors); peak: "
+                f"sgemm on one core {self.gflops:.1f} GFLOP/s x {threads} thread"
+                f"{'s' if threads != 1 else ''} = {self.at(threads):.1f} GFLOP/s")
+
+
+def host() -> dict[str, str | int]:
+    """The CPU's model name, LLVM's name and features for it, its vector width in bits and
+    the OpenBLAS build: what a measured peak is valid for."""
+    import llvmlite.binding as llvm
+
+    from latte.compiler.blas import blas
+
+    features = llvm.get_host_cpu_features()
+    bits = 512 if features.get("avx512f") else 256 if features.get("avx") else 128
+    config = blas().scipy_openblas_get_config
+    config.restype = ctypes.c_char_p
+    return {"cpu": _model_name(), "llvm_cpu": llvm.get_host_cpu_name(),
+            "features": features.flatten(), "vector_bits": bits,
+            "blas": config().decode()}
+
+
+def _model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_sgemm(sizes: tuple[int, ...] = PEAK_SIZES, seconds: float = 1.0) -> float:
+    """GFLOP/s of OpenBLAS sgemm on one thread: the best run of square products of each
+    size (at least 3 runs each, more within ``seconds``; the best resists other load)."""
+    from latte.compiler.blas import blas
+
+    lib = blas()
+    sgemm = lib.scipy_cblas_sgemm
+    sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+                                           ctypes.c_void_p, ctypes.c_int, ctypes.c_float,
+                                           ctypes.c_void_p, ctypes.c_int]
+    threads = lib.scipy_openblas_get_num_threads()
+    lib.scipy_openblas_set_num_threads(1)
+    best = 0.0
+    try:
+        for n in sizes:
+            a = np.random.default_rng(0).random((n, n), dtype=np.float32)
+            c = np.empty_like(a)
+            runs, deadline = 0, time.perf_counter() + seconds / len(sizes)
+            while runs < 4 or (runs < 50 and time.perf_counter() < deadline):
+                start = time.perf_counter()   # the first run warms up
+                sgemm(101, 111, 111, n, n, n, 1.0, a.ctypes.data, n, a.ctypes.data, n, 0.0,
+                      c.ctypes.data, n)
+                if runs:
+                    best = max(best, 2.0 * n ** 3 / (time.perf_counter() - start) / 1e9)
+                runs += 1
+    finally:
+        lib.scipy_openblas_set_num_threads(threads)
+    return best
+
+
+def peak(measure: Callable[[], float] = measure_sgemm) -> Peak:
+    """This machine's :class:`Peak`, measured (``measure()``: one core's GFLOP/s) the first
+    time and cached in the compile cache's folder, keyed by the CPU, its features and the
+    OpenBLAS build; later calls, in any process, read the file."""
+    from latte.compiler.cache import cache_dir, write_atomic
+
+    info = host()
+    key = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / f"peak-{key}.json"
+    fields = {k: info[k] for k in ("cpu", "llvm_cpu", "vector_bits", "blas")}
+    try:
+        gflops = float(json.loads(path.read_text())["gflops"])
+        if math.isfinite(gflops) and gflops > 0:
+            return Peak(**fields, gflops=gflops)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass   # not measured yet, or a damaged file: measure again
+    result = Peak(**fields, gflops=float(measure()))
+    try:
+        write_atomic(path, json.dumps(dataclasses.asdict(result), indent=1).encode())
+    except OSError:
+        pass   # a read-only cache only costs a measurement next time
+    return result
