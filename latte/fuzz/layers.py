@@ -21,12 +21,15 @@ from latte.stdlib import (
     ELULayer,
     EuclideanLossLayer,
     GlobalAveragePoolingLayer,
+    GRULayer,
     LeakyReLULayer,
     LRNLayer,
+    LSTMLayer,
     MeanPoolingLayer,
     MulLayer,
     PReLULayer,
     ReLULayer,
+    RNNLayer,
     SigmoidCrossEntropyLossLayer,
     SigmoidLayer,
     SoftmaxLayer,
@@ -180,3 +183,13 @@ def _mean_pool_exclusive(rng, net, name, src, pool):
 
 
 LAYERS.append(Layer("meanpool_exclusive", image, _mean_pool_exclusive))
+
+
+# ---- recurrent layers (issue 12, item 4): in nets with time steps, on any ensemble; the
+# embedding is left out (it reads integer ids, which random data is not)
+def _recurrent(rng, net, name, src, pool):
+    layer = pick(rng, [RNNLayer, LSTMLayer, GRULayer])
+    return layer(name, net, src, int(rng.integers(1, 5)))
+
+
+LAYERS.append(Layer("recurrent", lambda src: src.net.time_steps > 1 and src.size <= 16, _recurrent))
