@@ -269,3 +269,19 @@ def test_host_names_the_cpu_and_vector_width():
     info = machine.host()
     assert info["vector_bits"] in (128, 256, 512) and info["cpu"] and info["llvm_cpu"]
     assert re.match(r"OpenBLAS \d", info["blas"])
+
+
+def test_a_group_fused_in_the_test_forward_alone_is_one_row():
+    from latte.stdlib import BatchNormLayer
+
+    net = Net(2, num_threads=1, seed=0, profile=True)
+    x = MemoryDataLayer(net, "x", (4, 10, 10))
+    conv = ConvolutionLayer("conv", net, x, 6, 3, pad=1, bias=False)
+    ReLULayer("relu", net, BatchNormLayer("bn", net, conv))
+    net.init()
+    assert [g.name for g in net.program.test_groups] == ["conv+bn+relu"]
+    net.forward(Phase.TEST)
+    ms = net.profile.ms_per_call()
+    assert ms["conv+bn+relu"]["test"] > 0 and "conv" not in ms
+    mac = 2 * 2 * 6 * 100 * 4 * 9
+    assert net.profile.flops["conv+bn+relu"]["test"] > mac

@@ -63,12 +63,16 @@ class Executor:
         self._update_grads: dict[int, list[np.ndarray]] = {}   # id(segment) -> its gradients
         self.code = NativeCode(program.library, program.segments(), memory.table)
         self._slots = {b: i for i, b in enumerate(program.buffers.buffers.values())}
-        steps = program.forward + program.backward + program.test
         fused = {(g.owner(phase).ensemble, phase): g.name
                  for g in program.groups for phase in ("forward", "backward")}
-        self._labels = ({id(s): step_label(s, fused) for s in steps} if profile is not None
-                        else {})
+        # a group fused in the test forward alone runs from its owner's kernel "test"
+        in_test = {**fused, **{(g.owner("forward").ensemble, "forward"): g.name
+                               for g in program.test_groups}}
+        self._labels = {}
         if profile is not None:
+            self._labels = {id(s): step_label(s, in_test) for s in program.test}
+            self._labels.update({id(s): step_label(s, fused)
+                                 for s in program.forward + program.backward})
             profile.count_flops(program, self._labels)
 
     def _run(self, steps, valid: int) -> None:
