@@ -49,3 +49,20 @@ def test_digits_resnet(tmp_path):
     pytest.importorskip("sklearn")
     stdout = _run_example("digits_resnet.py", tmp_path)   # the full 15 epochs
     assert _accuracy(stdout) >= 0.98   # 99.4% here
+
+
+def test_char_rnn(tmp_path):
+    """One epoch of the character-level LSTM (``latte run``) takes the held-out loss well
+    under the unigram entropy of the text, and samples a continuation. One thread: on a
+    machine other processes keep busy, two threads waiting on each other at every time
+    step run several times slower."""
+    env = dict(os.environ)
+    env.setdefault("LATTE_CACHE_DIR", str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-m", "latte", "run", str(EXAMPLES / "char_rnn.py"),
+                             "--max-epoch", "1", "--threads", "1"], env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr
+    entropy = float(re.search(r"unigram entropy of the text: ([0-9.]+)", result.stdout).group(1))
+    held_out = float(re.search(r"held-out loss: ([0-9.]+)", result.stdout).group(1))
+    assert 3.0 < entropy < 3.5 and held_out < 0.65 * entropy   # 1.70 of 3.25 here
+    assert "sampled continuation" in result.stdout
