@@ -1,10 +1,11 @@
-"""Cold and warm ``net.init()`` of VGG-16 and LeNet, each in a fresh process.
+"""Cold and warm ``net.init()`` of VGG-16, ResNet-50 and LeNet, each in a fresh process.
 
-    python benchmarks/init_time.py [--nets vgg16 lenet] [--threads 2] [--repeat 3]
+    python benchmarks/init_time.py [--nets vgg16 resnet50 lenet] [--threads 2] [--repeat 3]
 
 VGG-16 is the paper's: 13 3x3 convolutions (64-64, 128-128, 256 x3, 512 x3, 512 x3, each
 followed by a ReLU, a 2x2 max pooling after each block) and 3 fully connected layers
-(4096, 4096, 1000), batch 2, 224x224x3 images, stdlib layers, opt level 3. LeNet is
+(4096, 4096, 1000), batch 2, 224x224x3 images, stdlib layers, opt level 3. ResNet-50 is
+the zoo's (``latte.zoo.resnet50``, batch norm, 1000 classes) at the same batch and size. LeNet is
 Caffe's at batch 64 (``benchmarks/lenet.py``). Each net gets a private, empty cache
 directory; the first worker compiles (cold), the next ``--repeat`` find the code in the
 cache (warm). The table gives the cold time and the median warm time of ``net.init()``
@@ -59,13 +60,29 @@ def vgg16(threads: int):
     return net
 
 
+def resnet50(threads: int):
+    """ResNet-50 (``latte.zoo``) at batch 2 on 224x224 images with a softmax loss."""
+    import numpy as np  # noqa: PLC0415
+
+    from latte import Net  # noqa: PLC0415
+    from latte.stdlib import ArrayDataLayer, SoftmaxLossLayer  # noqa: PLC0415
+    from latte.zoo import resnet50 as zoo_resnet50  # noqa: PLC0415
+
+    net = Net(2, num_threads=threads, seed=0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 224, 224)).astype(np.float32)
+    data, label = ArrayDataLayer(net, (x, rng.integers(0, 1000, 2)), shuffle=False)
+    SoftmaxLossLayer("loss", net, zoo_resnet50(net, data, 1000), label)
+    return net
+
+
 def lenet(threads: int):
     from lenet import latte_lenet  # noqa: PLC0415
 
     return latte_lenet(threads, init=False)
 
 
-NETS = {"vgg16": vgg16, "lenet": lenet}
+NETS = {"vgg16": vgg16, "resnet50": resnet50, "lenet": lenet}
 
 
 def worker(name: str, threads: int) -> None:

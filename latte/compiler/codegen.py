@@ -1,9 +1,12 @@
 """Codegen: loop IR -> LLVM IR (llvmlite.ir).
 
-Each kernel becomes an internal function taking its buffers as ``noalias`` pointers; a
-*segment* (consecutive kernels run without returning to Python) is an exported function
-``void seg(ptr* buffers)`` that loads the pointers from the runtime's buffer table and calls
-its kernels. Float arithmetic carries ``reassoc contract`` so that reductions vectorize.
+Each kernel becomes an internal ``noinline`` function taking its buffers as ``noalias``
+pointers; a *segment* (consecutive kernels run without returning to Python) is an exported
+function ``void seg(ptr* buffers)`` that loads the pointers from the runtime's buffer table
+and calls its kernels. Kernels that differ only in the buffers they touch (VGG's repeated
+3x3 convolutions, ResNet's repeated blocks) share one function, so LLVM optimizes and
+compiles each distinct kernel once. Float arithmetic carries ``reassoc contract`` so that
+reductions vectorize.
 
 With ``LATTE_CHECK_BOUNDS=1`` every load, store and GEMM operand block is checked against
 its buffer at run time: an access outside it is skipped (a load gives 0) and records the
@@ -17,6 +20,7 @@ import os
 
 from llvmlite import ir
 
+from latte.compiler.fingerprint import structure
 from latte.compiler.ir import (
     TID,
     Affine,
@@ -67,6 +71,7 @@ class ModuleBuilder:
         self.threads = threads
         self._decls: dict[str, ir.Function] = {}
         self._kernels = 0
+        self._shared: dict[str, ir.Function] = {}   # kernel structure -> its function
         self.check_bounds = os.environ.get("LATTE_CHECK_BOUNDS", "") not in ("", "0")
         self._sites: dict[str, ir.GlobalVariable] = {}
         if self.check_bounds:
@@ -96,8 +101,7 @@ class ModuleBuilder:
         seg = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR.as_pointer()]), name)
         builder = ir.IRBuilder(seg.append_basic_block("entry"))
         for kernel in kernels:
-            bufs = sorted({a.buffer for a in accesses(kernel.body)},
-                          key=lambda b: self.buffer_index[b])
+            bufs = list(dict.fromkeys(a.buffer for a in accesses(kernel.body)))
             fn = self._kernel(kernel, bufs)
             args = []
             for b in bufs:
@@ -108,9 +112,23 @@ class ModuleBuilder:
         return name
 
     def _kernel(self, kernel: Kernel, bufs: list[Buffer]) -> ir.Function:
-        self._kernels += 1
-        fn = self.function(f"k{self._kernels}_{_mangle(kernel.name)}", len(bufs), [])
-        _KernelEmitter(self, fn, dict(zip(bufs, fn.args)), kernel).emit()
+        """The function running ``kernel`` over the pointers ``bufs``: one already emitted
+        for a kernel of the same structure (the same IR with each buffer in the same argument
+        position (the order of first access) and of the same element type) or a new one. With bounds checks the
+        kernel's name and its buffers' names and sizes are part of the code, hence of the
+        structure."""
+        detail = ((lambda b: (b.dtype, b.size, b.name)) if self.check_bounds
+                  else (lambda b: b.dtype))
+        key = structure(kernel.body, {b: f"{i}:{detail(b)}" for i, b in enumerate(bufs)})
+        if self.check_bounds:
+            key = f"{kernel.name}\n{key}"
+        fn = self._shared.get(key)
+        if fn is None:
+            self._kernels += 1
+            fn = self.function(f"k{self._kernels}_{_mangle(kernel.name)}", len(bufs), [])
+            fn.attributes.add("noinline")
+            _KernelEmitter(self, fn, dict(zip(bufs, fn.args)), kernel).emit()
+            self._shared[key] = fn
         return fn
 
     def function(self, name: str, n_buffers: int, ints: list[str]) -> ir.Function:

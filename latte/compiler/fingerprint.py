@@ -18,7 +18,7 @@ import functools
 import hashlib
 from pathlib import Path
 
-from latte.compiler.ir import Buffer
+from latte.compiler.ir import Axis, Buffer
 
 _COMPILER = Path(__file__).parent
 
@@ -33,6 +33,16 @@ def fingerprint(segments, buffer_index: dict[Buffer, int], threads: int) -> str:
         out.append(f"segment {seg.name!r}")
         _encode(tuple(seg.kernels), buffer_index, out)
     return hashlib.sha256("\n".join(out).encode()).hexdigest()
+
+
+def structure(node, labels: dict[Buffer, str]) -> str:
+    """``node``'s IR in the fingerprint's canonical encoding, each buffer written as its
+    label in ``labels`` and loop axes (what a loop iterates, which ``latte explain`` shows
+    and codegen never reads) left out: equal strings, the same code over the labelled
+    buffers."""
+    out: list[str] = []
+    _encode(node, labels, out, (Axis,))
+    return "\n".join(out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,22 +60,24 @@ def _fields(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls) if f.compare)
 
 
-def _encode(x, index: dict[Buffer, int], out: list[str]) -> None:
-    if isinstance(x, Buffer):
+def _encode(x, index: dict[Buffer, int | str], out: list[str], omit: tuple = ()) -> None:
+    if isinstance(x, omit):
+        out.append(type(x).__name__)
+    elif isinstance(x, Buffer):
         out.append(f"B{index[x]}")
     elif isinstance(x, (str, int, float, type(None))):   # bool is an int; repr tells apart
         out.append(repr(x))
     elif isinstance(x, (tuple, list)):
         out.append("(")
         for item in x:
-            _encode(item, index, out)
+            _encode(item, index, out, omit)
         out.append(")")
     elif isinstance(x, enum.Enum):
         out.append(f"{type(x).__name__}.{x.name}")
     elif dataclasses.is_dataclass(x) and not isinstance(x, type):
         out.append(f"{type(x).__name__}(")
         for name in _fields(type(x)):
-            _encode(getattr(x, name), index, out)
+            _encode(getattr(x, name), index, out, omit)
         out.append(")")
     else:
         raise TypeError(f"fingerprint: cannot encode {type(x).__name__} in a kernel")
