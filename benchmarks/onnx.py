@@ -18,7 +18,6 @@ and latte's largest error relative to onnxruntime's output scale.
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -93,7 +92,6 @@ def worker(args) -> None:
         err = np.abs(net.predict(x, out) - expected).max() / np.abs(expected).max()
         result = {"ms": median_ms(lambda: net.predict(x, out), args.warmup, args.repeat),
                   "init_s": init_s, "err": float(err)}
-    result["peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     emit(result)
 
 
@@ -112,7 +110,7 @@ def rows_for(args, name: str, path: str, batch: int, threads: int) -> list[str] 
         return None
     return [name, str(batch), str(threads), f"{latte['ms']:.2f}", f"{ort['ms']:.2f}",
             f"{ort['ms'] / latte['ms']:.2f}", f"{latte['err']:.1e}", f"{latte['init_s']:.1f}",
-            f"{latte['peak_mib']:.0f} / {ort['peak_mib']:.0f}", ort["note"]]
+            ort["note"]]
 
 
 def main() -> None:
@@ -148,7 +146,7 @@ def main() -> None:
     print(f"ONNX models at {args.size}x{args.size}, float32, inference; median of {args.repeat} "
           f"after {args.warmup} warm-up; {cpu_name()}, {os.cpu_count()} CPUs, {vector_width()}")
     print(table(rows, ["model", "batch", "threads", "latte ms", "onnxruntime ms", "ort/latte",
-                       "latte error", "latte compile s", "peak MiB latte / ort", "notes"]))
+                       "latte error", "latte compile s", "notes"]))
     print(load.note())
 
 

@@ -203,7 +203,8 @@ def value(name: str, shape) -> object:
 
 def test_matmul_add_and_broadcast_constants(tmp_path):
     """MatMul + Add (the bias folds into the fully connected layer), a per-channel Mul, Sub
-    and Div by constants, Unsqueeze/Squeeze, Concat and Identity, against onnxruntime."""
+    and Div by constants, Squeeze, Concat, Identity and a spatial ReduceMean, against
+    onnxruntime."""
     rng = np.random.default_rng(2)
     f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     inits = [("w", f32(6, 2, 3, 3)), ("b", f32(6)), ("s", f32(1, 6, 1, 1)), ("m", f32(6, 4, 4)),
@@ -219,19 +220,44 @@ def test_matmul_add_and_broadcast_constants(tmp_path):
              helper.make_node("Flatten", ["c4"], ["f"]),
              helper.make_node("MatMul", ["f", "fw"], ["mm"]),
              helper.make_node("Add", ["mm", "fb"], ["y"]),
-             helper.make_node("Relu", ["g1"], ["z"])]
+             helper.make_node("Relu", ["g1"], ["z"]),
+             helper.make_node("ReduceMean", ["c3"], ["v"], axes=[-2, -1], keepdims=0)]
     path = tmp_path / "g.onnx"
-    onnx.save(make_model(nodes, [value("x", ["n", 2, 4, 4])], [value("y", ["n", 8]),
-                                                                  value("z", ["n", 12])], inits), path)
+    outputs = [value("y", ["n", 8]), value("z", ["n", 12]), value("v", ["n", 6])]
+    onnx.save(make_model(nodes, [value("x", ["n", 2, 4, 4])], outputs, inits), path)
     x = f32(SAMPLES, 2, 4, 4)
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    want_y, want_z = sess.run(None, {"x": x})
+    want_y, want_z, want_v = sess.run(None, {"x": x})
     for opt in (0, 3):
-        net, _, (y, z) = load_onnx(path, BATCH, opt_level=opt)
-        assert z.shape == (12,)
+        net, _, (y, z, v) = load_onnx(path, BATCH, opt_level=opt)
+        assert (z.shape, v.shape) == ((12,), (6,))
+        assert_scaled_close(net.predict(x, v), want_v, RTOL, f"v at opt {opt}")
         assert "y" not in {e.name for e in net.ensembles}   # the Add is the MatMul's bias
         assert_scaled_close(net.predict(x, y), want_y, RTOL, f"y at opt {opt}")
         assert_scaled_close(net.predict(x, z), want_z, RTOL, f"z at opt {opt}")
+
+
+def test_reshapes_that_move_values_between_dimensions(tmp_path):
+    """A Reshape that is not only adding or dropping size-1 dimensions ((6, 4, 4) -> (12, 8)),
+    read by a layer that needs the new shape (a concat along its last axis) and returned as
+    an output, against onnxruntime."""
+    rng = np.random.default_rng(6)
+    inits = [("w", rng.standard_normal((6, 2, 3, 3)).astype(np.float32)),
+             ("s", np.array([0, 12, 8]))]
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Reshape", ["c", "s"], ["r"]),
+             helper.make_node("Concat", ["r", "r"], ["y"], axis=-1)]
+    path = tmp_path / "r.onnx"
+    onnx.save(make_model(nodes, [value("x", ["n", 2, 4, 4])], [value("y", ["n", 12, 16]),
+                                                                  value("r", ["n", 12, 8])],
+                         inits), path)
+    x = rng.standard_normal((SAMPLES, 2, 4, 4)).astype(np.float32)
+    want_y, want_r = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for opt in (0, 3):
+        net, _, (y, r) = load_onnx(path, BATCH, opt_level=opt)
+        assert (y.shape, r.shape) == ((12, 16), (12, 8))
+        assert_scaled_close(net.predict(x, y), want_y, RTOL, f"y at opt {opt}")
+        assert_scaled_close(net.predict(x, r), want_r, RTOL, f"r at opt {opt}")
 
 
 IN_PLACE_ON_DATA_BUG = pytest.mark.xfail(strict=True, reason=(

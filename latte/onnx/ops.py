@@ -115,6 +115,19 @@ def global_pool(imp: Importer, node, ins: list, at: dict) -> list:
     return [Tensor(ens, (x.shape[0], 1, 1))]
 
 
+@op("ReduceMean")
+def reduce_mean(imp: Importer, node, ins: list, at: dict) -> list:
+    """A mean over the two spatial axes of a ``(N, C, H, W)`` input: global average pooling."""
+    x = imp.tensor(node, ins[0], 3)
+    axes = at.get("axes")
+    if len(ins) > 1 and ins[1] is not None:
+        axes = imp.constant(node, ins[1], "axes").tolist()
+    if axes is None or sorted(a % 4 for a in axes) != [2, 3]:
+        raise imp.error(node, f"only a mean over the spatial axes (2, 3) is supported, got {axes}")
+    ens = L.GlobalAveragePoolingLayer(imp.fresh(node), imp.net, imp.ensemble(node, x))
+    return [Tensor(ens, (x.shape[0], 1, 1) if at.get("keepdims", 1) else (x.shape[0],))]
+
+
 # ---------------------------------------------------------------- dense
 def dense(imp: Importer, node, x: Tensor, weights: np.ndarray, bias) -> Tensor:
     """A fully connected layer over ``x`` (read flat) with ``weights (M, K)``."""
