@@ -59,14 +59,18 @@ class GRUCellNeuron(Neuron):
         self.value = (1.0 - z) * n + z * self.inputs[2][0]
 
 
+BLOCK = 16   # the lookup finds an id's block of rows first, then the row in it
+
+
 class EmbeddingNeuron(Neuron):
     """Output ``j`` of a table lookup: ``weight[id, j]`` for the id in ``inputs[0][0]``.
 
     Every neuron's ``weight`` vector is the whole table (PyTorch's ``(vocab, dim)``
     layout) and ``column`` is row ``j`` of the identity, which picks column ``j`` of the
-    selected row: the neuron language has no index computed from a value, so the row is
-    found by comparing the id with each row number. No address depends on the data; an id
-    that is no row number selects nothing.
+    selected row. The neuron language has no index computed from a value, so the row is
+    found by comparisons: first the block of :data:`BLOCK` rows holding the id, then the
+    row in it (the rows past the last whole block one by one). No address depends on the
+    data; an id that is no row number selects nothing. Backward is derived.
     """
 
     weight: Param
@@ -74,17 +78,17 @@ class EmbeddingNeuron(Neuron):
 
     def forward(self):
         x = self.inputs[0][0]
-        for v in range(len(self.weight) // len(self.column)):
+        for a in range(len(self.weight) // len(self.column) // BLOCK):
+            if x >= a * BLOCK and x < a * BLOCK + BLOCK:
+                for b in range(BLOCK):
+                    if x == a * BLOCK + b:
+                        for k in range(len(self.column)):
+                            self.value += self.weight[a * BLOCK + b, k] * self.column[k]
+        for v in range(len(self.weight) // len(self.column) // BLOCK * BLOCK,
+                       len(self.weight) // len(self.column)):
             if x == v:
                 for k in range(len(self.column)):
                     self.value += self.weight[v, k] * self.column[k]
-
-    def backward(self):
-        x = self.inputs[0][0]
-        for v in range(len(self.weight) // len(self.column)):
-            if x == v:
-                for k in range(len(self.column)):
-                    self.grad_weight[v, k] += self.grad * self.column[k]
 
 
 class EmbeddingEnsemble(Ensemble):

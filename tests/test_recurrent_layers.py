@@ -131,8 +131,9 @@ def test_embedding_lstm(opt_level, threads):
 @levels
 def test_embedding(opt_level, threads):
     """The lookup alone, without time steps: values and the table's gradient (rows
-    selected twice accumulate, rows never selected get zero)."""
-    vocab, dim, batch = 6, 5, 4
+    selected twice accumulate, rows never selected get zero); rows in whole blocks of 16
+    and past them."""
+    vocab, dim, batch = 37, 5, 7
     net = Net(batch, opt_level=opt_level, num_threads=threads, seed=2)
     ids = MemoryDataLayer(net, "ids", (1,))
     emb = EmbeddingLayer("emb", net, ids, vocab, dim)
@@ -140,7 +141,7 @@ def test_embedding(opt_level, threads):
     net.init()
     (table,) = net.params
     assert table.name == "emb.weight" and table.value.shape == (vocab, dim)
-    x = np.array([3, 0, 3, 5])
+    x = np.array([3, 0, 3, 36, 16, 33, 31])
     net.value(ids)[:, 0] = x
     net.forward()
     net.backward()
