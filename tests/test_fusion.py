@@ -539,3 +539,19 @@ def pointwise_then_padded(net):
 def test_untiled_member_of_a_skewed_group_runs_after_the_tiles(threads):
     net = _compare(pointwise_then_padded, threads)
     assert [g.name for g in net.program.groups] == ["a+b"]
+
+
+def test_in_place_activation_of_an_input_is_no_line_buffer_in_test():
+    """A fused group's first member working in place on a data ensemble reads that buffer:
+    the test forward must not move it into per-thread line buffers (it read zeros)."""
+    from latte.stdlib import PReLULayer
+
+    net = Net(4, opt_level=3, num_threads=2)
+    x = MemoryDataLayer(net, "x", (3, 4, 4))
+    p = PReLULayer("p", net, ReLULayer("e", net, x))
+    net.init()
+    v = np.random.default_rng(0).standard_normal((4, 3, 4, 4)).astype(np.float32)
+    net.value(x)[...] = v
+    net.forward(Phase.TEST)
+    assert net.program.groups, "the activation and the PReLU fuse"
+    np.testing.assert_allclose(net.value(p), np.maximum(v, 0), rtol=1e-6)

@@ -260,12 +260,7 @@ def test_reshapes_that_move_values_between_dimensions(tmp_path):
         assert_scaled_close(net.predict(x, r), want_r, RTOL, f"r at opt {opt}")
 
 
-IN_PLACE_ON_DATA_BUG = pytest.mark.xfail(strict=True, reason=(
-    "compiler bug: at opt 3 in Phase.TEST an in-place activation over a MemoryDataLayer of "
-    "a (C, H, W) sample followed by another reader (PReLU) gives zeros"))
-
-
-@pytest.mark.parametrize("opt", [0, pytest.param(3, marks=IN_PLACE_ON_DATA_BUG)])
+@pytest.mark.parametrize("opt", [0, 3])
 def test_more_ops_and_attributes(opt, tmp_path):
     """Gemm with alpha, beta and an untransposed B, PRelu, Elu on the input itself, a padded
     AveragePool counting the padding, GlobalMaxPool, batch norm on a 2-D input, Dropout with

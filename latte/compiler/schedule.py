@@ -4,7 +4,7 @@ when it first runs: ``latte.compiler.update``.)"""
 
 from __future__ import annotations
 
-from latte.compiler.buffers import BufferPlan
+from latte.compiler.buffers import BufferPlan, storage_owner
 from latte.compiler.ir import Block, Kernel, accesses
 from latte.compiler.passes import drop_stores, localize
 from latte.compiler.program import HostStep, Segment, TimeSteps
@@ -80,9 +80,14 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list 
     for i, k in enumerate(kernels):
         kernel = drop_stores(k, dead)
         if k.name in owners:
-            values = [bufs.value(p.ensemble) for p in owners[k.name].plans]
-            elsewhere = hosts | looped | {a.buffer for j, f in enumerate(found) if j != i
-                                          for a in f}
+            plans = owners[k.name].plans
+            values = [bufs.value(p.ensemble) for p in plans]
+            # an in-place activation of an input from outside the group (a data ensemble)
+            # reads that input's buffer: it is no intermediate of the group
+            outside = {bufs.value(p.ensemble) for p in plans if storage_owner(p.ensemble)
+                       not in {q.ensemble for q in plans}}
+            elsewhere = hosts | looped | outside | {a.buffer for j, f in enumerate(found)
+                                                    if j != i for a in f}
             kernel = localize(kernel, set(values[:-1]) - {values[-1]} - elsewhere, bufs)
         if kernel is not k:
             test[k.name] = kernel
