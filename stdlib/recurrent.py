@@ -96,20 +96,20 @@ class EmbeddingEnsemble(Ensemble):
     ensemble holds are row numbers of the table, and names the layer when one is not."""
 
     def __init__(self, net, name: str, input_ens, vocab_size: int, dim: int):
-        self.input, self.vocab_size = input_ens, vocab_size
+        self.ids, self.vocab_size = input_ens, vocab_size
         table = generator().standard_normal((vocab_size, dim)).astype(np.float32)
         super().__init__(net, name, EmbeddingNeuron, (dim,), weight=(table, lambda j: ()),
                          column=np.eye(dim, dtype=np.float32))
 
     def before_forward(self, phase, fields) -> None:
-        if not isinstance(self.input, DataEnsemble):
+        if not isinstance(self.ids, DataEnsemble):
             return
-        ids = self.net.value(self.input)
+        ids = self.net.value(self.ids)
         ids = ids[:, :self.net.valid] if self.net.time_steps > 1 else ids[:self.net.valid]
         bad = (ids < 0) | (ids >= self.vocab_size) | (ids != np.floor(ids))
         if bad.any():
-            raise DataError(f"embedding {self.name!r}: id {ids[bad].flat[0]!r} in "
-                            f"{self.input.name!r} is not an integer in [0, {self.vocab_size})")
+            raise DataError(f"embedding {self.name!r}: id {float(ids[bad][0])!r} in "
+                            f"{self.ids.name!r} is not an integer in [0, {self.vocab_size})")
 
 
 def EmbeddingLayer(name: str, net, input_ens, vocab_size: int, dim: int) -> Ensemble:
