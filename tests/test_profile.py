@@ -285,3 +285,48 @@ def test_a_group_fused_in_the_test_forward_alone_is_one_row():
     assert ms["conv+bn+relu"]["test"] > 0 and "conv" not in ms
     mac = 2 * 2 * 6 * 100 * 4 * 9
     assert net.profile.flops["conv+bn+relu"]["test"] > mac
+
+
+def test_counting_rules_on_hand_built_loops():
+    from latte.compiler.flops import kernel_flops
+    from latte.compiler.ir import (Affine, Assign, AugAssign, BinOp, Block, Buffer, Call, Compare,
+                                   Const, Gemm, If, Kernel, Load, Loop, Ref, Select, Var)
+
+    x, y = Buffer(("x", "value"), "x", (12,)), Buffer(("y", "value"), "y", (12,))
+    idx = Buffer(("i", "value"), "i", (12,), dtype="int32")
+    i = Affine.of("i")
+
+    def at(buf, e=i):
+        return Ref(buf, (e,), (12,))
+
+    def loop(var, n, *body):
+        return Loop(var, 0, n, Block(tuple(body)))
+
+    body = (
+        # float: a multiply and the += itself; the integer index arithmetic is free
+        AugAssign(at(y), "+", BinOp("*", Load(at(x)), Const(2.0))),
+        # an integer buffer's arithmetic is free; a call and a float comparison count one
+        Assign(at(idx), BinOp("+", Load(at(idx)), Const(1))),
+        Assign(at(y), Select(Compare(">", Load(at(x)), Const(0.0)),
+                             Call("exp", (Load(at(x)),)), Const(0.0))),
+        # integer guards narrow the count exactly: 4 of 12 values of i are i % 3 == 0 and i < 10
+        If(Compare("==", BinOp("%", Var("i"), Const(3)), Const(0)),
+           Block((If(Compare("<", i, Const(10)), Block((Assign(at(y), BinOp(
+               "/", Load(at(y)), Const(3.0))),))),))),
+        # a local holding an integer condition stands for it; its else branch is the rest
+        Assign(Var("c"), Compare("<", i, Const(5))),
+        If(Var("c"), Block((Assign(at(y), BinOp("+", Load(at(y)), Const(1.0))),)),
+           Block((Assign(at(y), BinOp("-", BinOp("*", Load(at(y)), Load(at(x))),
+                                      Const(1.0))),))),
+        # an inner loop shadowing i: its own range (0..1) decides the guard
+        loop("i", 2, If(Compare("==", i, Const(0)),
+                        Block((Assign(at(y), BinOp("max", Load(at(y)), Const(0.0))),)))),
+    )
+    kernel = Kernel("k", Block((loop("i", 12, *body),)))
+    # per i: 2 + 0 + (1 + 1) + 1 if a third below 10 + (1 if i < 5 else 2) + 1
+    expected = sum(2 + 2 + (i % 3 == 0 and i < 10) + (1 if i < 5 else 2) + 1
+                   for i in range(12))
+    assert kernel_flops(kernel) == expected
+    gemm = Gemm(4, 5, 6, x, Affine(), 6, False, x, Affine(), 5, False, y, Affine(), 5)
+    gemm_in_loop = Kernel("g", Block((loop("n", 3, gemm),)))
+    assert kernel_flops(gemm_in_loop) == 3 * 2 * 4 * 5 * 6

@@ -184,7 +184,8 @@ def _points(loops: _Loops, guards: _Guards) -> int:
     if not guards or total == 0:
         return total
     named = set().union(*(_names(c) for c, _ in guards))
-    inner = [(v, start, stop) for v, start, stop in loops if v in named]
+    bound = {v: (start, stop) for v, start, stop in loops}   # an inner loop shadows
+    inner = [(v, start, stop) for v, (start, stop) in bound.items() if v in named]
     grid = 1
     for _, start, stop in inner:
         grid *= stop - start
