@@ -9,7 +9,7 @@ import re
 
 import numpy as np
 import pytest
-from test_recurrence import N, N_IN, elman
+from test_recurrence import N_IN, N, elman
 
 from latte import Net, Phase
 from latte.compiler import machine
@@ -289,8 +289,25 @@ def test_a_group_fused_in_the_test_forward_alone_is_one_row():
 
 def test_counting_rules_on_hand_built_loops():
     from latte.compiler.flops import kernel_flops
-    from latte.compiler.ir import (Affine, Assign, AugAssign, BinOp, Block, Buffer, Call, Compare,
-                                   Const, Gemm, If, Kernel, Load, Loop, Ref, Select, Var)
+    from latte.compiler.ir import (
+        Affine,
+        Assign,
+        AugAssign,
+        BinOp,
+        Block,
+        Buffer,
+        Call,
+        Compare,
+        Const,
+        Gemm,
+        If,
+        Kernel,
+        Load,
+        Loop,
+        Ref,
+        Select,
+        Var,
+    )
 
     x, y = Buffer(("x", "value"), "x", (12,)), Buffer(("y", "value"), "y", (12,))
     idx = Buffer(("i", "value"), "i", (12,), dtype="int32")
