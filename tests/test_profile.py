@@ -347,3 +347,30 @@ def test_counting_rules_on_hand_built_loops():
     gemm = Gemm(4, 5, 6, x, Affine(), 6, False, x, Affine(), 5, False, y, Affine(), 5)
     gemm_in_loop = Kernel("g", Block((loop("n", 3, gemm),)))
     assert kernel_flops(gemm_in_loop) == 3 * 2 * 4 * 5 * 6
+
+
+def test_latte_run_profile_prints_an_inference_only_net(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "infer.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from latte import Net, Phase\n"
+        "from latte.stdlib import FullyConnectedLayer, MemoryDataLayer\n"
+        "net = Net(8, num_threads=1)\n"
+        "FullyConnectedLayer('fc', net, MemoryDataLayer(net, 'x', (32,)), 16)\n"
+        "net.init()\n"
+        "for _ in range(3):\n"
+        "    net.forward(Phase.TEST)\n")
+    env = {**os.environ, "LATTE_CACHE_DIR": str(tmp_path / "cache")}
+    with pytest.MonkeyPatch.context() as mp:   # the peak the command finds in its cache
+        mp.setenv("LATTE_CACHE_DIR", env["LATTE_CACHE_DIR"])
+        machine.peak(lambda: 12.5)
+    out = subprocess.run([sys.executable, "-m", "latte", "run", str(script), "--profile"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "sgemm on one core 12.5 GFLOP/s x 1 thread = 12.5 GFLOP/s" in out.stderr
+    rows = _columns(out.stderr, "per ensemble, ms per test-phase forward (3 calls)")
+    assert float(rows["fc"][2]) > 0 and rows["fc"][3].endswith("%")
