@@ -5,20 +5,41 @@ object; two processes filling one cache at once leave valid entries."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import llvmlite.binding as llvm
+import numpy as np
 import pytest
+from helpers import assert_scaled_close, fill, fill_labels, set_biases
 
-from latte.compiler import cache
+from latte import Net
+from latte.compiler import cache, pipeline
 from latte.compiler.fingerprint import fingerprint
-from latte.compiler.ir import Affine, Assign, Block, Buffer, Const, Kernel, Loc, Loop, LoopKind, Ref
+from latte.compiler.ir import (
+    Affine,
+    Assign,
+    Axis,
+    BinOp,
+    Block,
+    Buffer,
+    Const,
+    Kernel,
+    Load,
+    Loc,
+    Loop,
+    LoopKind,
+    Ref,
+)
 from latte.compiler.jit import target
+from latte.compiler.pipeline import llvm_ir
 from latte.compiler.program import Segment
+from latte.stdlib import FullyConnectedLayer, MemoryDataLayer, ReLULayer, SoftmaxLossLayer
 
 WORKER = Path(__file__).with_name("net_worker.py")
 NETS = ["mlp", "mlp2"]
@@ -219,3 +240,87 @@ def test_two_processes_fill_one_cache_at_once(tmp_path, fresh):
     assert {f"{r['key']}.o" for r in reports.values()} <= names
     got, err = _finish(_start(tmp_path))
     assert all(r["from_cache"] for r in got.values()) and "damaged" not in err
+
+
+# ---------------------------------------------------------------- compile time
+
+def _kernel_functions(ir_text: str) -> list[str]:
+    """The names of the kernel functions ``ir_text`` defines (not their parallel bodies)."""
+    names = re.findall(r'^define internal void @"?(k\d+_[\w.]*)', ir_text, re.MULTILINE)
+    return [n for n in names if not re.search(r"_par\d+(_omp)?$", n)]
+
+
+def _scale_kernel(name: str, x: Buffer, y: Buffer, axis: str, value: float = 2.0) -> Kernel:
+    """``y[i] = value * x[i] + 1`` over 8 floats (``axis`` only names the loop)."""
+    body = Assign(Ref(y, (Affine.of("i"),), (8,)),
+                  BinOp("+", BinOp("*", Const(value), Load(Ref(x, (Affine.of("i"),), (8,)))),
+                        Const(1.0)))
+    return Kernel(name, Block((Loop("i", 0, 8, Block((body,)), axis=Axis(None, 0, axis)),)))
+
+
+def test_identical_kernels_share_one_function_and_compute_their_own_buffers(tmp_path, monkeypatch):
+    monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
+    bufs = [Buffer((f"e{i}", "value"), f"e{i}", (8,)) for i in range(6)]
+    index = {b: i for i, b in enumerate(bufs)}
+    segments = [Segment("first", (_scale_kernel("a", bufs[0], bufs[1], "a"),)),
+                Segment("second", (_scale_kernel("b", bufs[2], bufs[3], "b"),)),
+                Segment("third", (_scale_kernel("c", bufs[4], bufs[5], "c", value=3.0),))]
+    ir_text = llvm_ir(segments, index, threads=1)
+    assert len(_kernel_functions(ir_text)) == 2   # "third" multiplies by 3
+    arrays = [np.arange(8, dtype=np.float32) + 10 * i for i in range(6)]
+    table = (ctypes.c_void_p * 6)(*(a.ctypes.data for a in arrays))
+    lib = target().compile(ir_text)
+    for seg in ("first", "second", "third"):
+        ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lib.address(seg))(ctypes.addressof(table))
+    for src, dst, value in ((0, 1, 2.0), (2, 3, 2.0), (4, 5, 3.0)):
+        np.testing.assert_array_equal(arrays[dst], value * arrays[src] + 1)
+
+
+def _repeated(level: int, threads: int = 2):
+    """fc0..fc3 (24 -> 24) with ReLUs, identical layers, then 5 logits and a softmax loss;
+    compiled, with random inputs, labels and biases, forward and backward run."""
+    net = Net(4, num_threads=threads, opt_level=level, seed=1)
+    x = top = MemoryDataLayer(net, "x", (24,))
+    label = MemoryDataLayer(net, "label", (1,))
+    for i in range(4):
+        top = ReLULayer(f"relu{i}", net, FullyConnectedLayer(f"fc{i}", net, top, 24))
+    SoftmaxLossLayer("loss", net, FullyConnectedLayer("out", net, top, 5), label)
+    net.init()
+    rng = np.random.default_rng(0)
+    fill(net, x, rng)
+    fill_labels(net, label, 5, rng)
+    set_biases(net, rng)
+    net.forward()
+    net.backward()
+    return net, top
+
+
+def test_repeated_layers_compile_once_and_match_level_0(tmp_path, monkeypatch):
+    monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
+    results = {}
+    for level in (0, 3):
+        net, top = _repeated(level)
+        results[level] = [net.value(top).copy()] + [p.grad.copy() for p in net.params]
+        program = net.program
+        index = {b: i for i, b in enumerate(program.buffers.buffers.values())}
+        segments = program.segments()
+        ir_text = llvm_ir(segments, index, program.buffers.threads)
+        kernels = [k for s in segments for k in s.kernels if k.body.stmts]
+        # fc1..fc3 repeat fc2's forward and backward, relu1..relu3 relu0's (or fused)
+        assert len(_kernel_functions(ir_text)) <= len(kernels) - 4
+    for got, want in zip(results[3], results[0]):
+        assert_scaled_close(got, want, 1e-5, "opt 3 against opt 0")
+
+
+def test_a_hit_skips_verifying_what_a_miss_verified(tmp_path, monkeypatch):
+    monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LATTE_VERIFY", raising=False)
+    calls = []
+    monkeypatch.setattr(pipeline, "verify_kernel", lambda k: calls.append(k))
+    miss, _ = _repeated(3)
+    missed, calls[:] = list(calls), []
+    hit, _ = _repeated(3)
+    assert not miss.program.library.from_cache and hit.program.library.from_cache
+    final = {id(k) for s in miss.program.segments() for k in s.kernels}
+    assert final <= {id(k) for k in missed}   # a miss verifies the kernels it compiles
+    assert len(calls) < len(missed)   # a hit verifies the synthesized kernels alone

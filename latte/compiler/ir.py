@@ -338,10 +338,13 @@ def children(node: Node) -> Iterator[Node]:
 
 
 def walk(node: Node) -> Iterator[Node]:
-    """Every node below ``node`` (pre-order), ``node`` included."""
-    yield node
-    for c in children(node):
-        yield from walk(c)
+    """Every node below ``node`` (pre-order), ``node`` included. Iterative: nested
+    generators would pass each node up through every level of the tree."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        stack.extend(reversed(tuple(children(n))))
 
 
 def map_children(node: Node, fn: Callable[[Node], Node]) -> Node:

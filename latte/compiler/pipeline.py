@@ -257,6 +257,13 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     # a tile's working set: the L2
     c = Compilation(net, opt_level, bufs, split_segments, budget=cache_sizes()[2])
     checked: dict[int, Kernel] = {}   # holds every checked kernel, so ids stay unique
+
+    def verify(kernels: list[Kernel]) -> None:
+        for kernel in kernels:   # a kernel a step returned unchanged is not checked again
+            if checked.get(id(kernel)) is not kernel:
+                verify_kernel(kernel)
+                checked[id(kernel)] = kernel
+
     every_step = os.environ.get("LATTE_VERIFY") == "steps"
     for step in STEPS:
         if opt_level < step.min_opt:
@@ -268,21 +275,24 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
         else:
             step.fn(c)
         kernels = c.kernels()
-        if every_step or step.name in VERIFIED_AFTER:
-            for kernel in kernels:   # a kernel a step returned unchanged is not checked again
-                if checked.get(id(kernel)) is not kernel:
-                    verify_kernel(kernel)
-                    checked[id(kernel)] = kernel
+        if every_step or (step.name in VERIFIED_AFTER and step is not STEPS[-1]):
+            verify(kernels)
         _dump(step.name, kernels)
     # codegen: every segment into one LLVM module, then O3 + JIT; the disk cache is looked up
-    # by the program's fingerprint first, and on a hit the LLVM IR is never built
+    # by the program's fingerprint first, and on a hit the LLVM IR is never built. The last
+    # step's kernels are verified before the IR is built: a hit holds code made from the same
+    # kernels (the fingerprint covers them and the verifier's source), which passed then
     program = c.program
     index = {b: i for i, b in enumerate(program.buffers.buffers.values())}
     segments, threads = program.segments(), program.buffers.threads
+
+    def build_ir() -> str:
+        verify(c.kernels())
+        return llvm_ir(segments, index, threads)
+
     # opt level 0 is the plain-loop baseline the others are checked against: LLVM's O1
     # compiles it in half the time, and nothing at that level is meant to be fast
-    program.library = target().library(fingerprint(segments, index, threads),
-                                       lambda: llvm_ir(segments, index, threads),
+    program.library = target().library(fingerprint(segments, index, threads), build_ir,
                                        speed=1 if opt_level == 0 else 3)
     return program
 
