@@ -15,7 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import llvmlite.binding as llvm
 import numpy as np
+
+from latte.compiler.blas import blas
+from latte.compiler.cache import cache_dir, write_atomic
 
 _SYS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
 _DEFAULTS = {1: 32 << 10, 2: 1 << 20, 3: 8 << 20}
@@ -72,10 +76,6 @@ class Peak:
 def host() -> dict[str, str | int]:
     """The CPU's model name, LLVM's name and features for it, its vector width in bits and
     the OpenBLAS build: what a measured peak is valid for."""
-    import llvmlite.binding as llvm
-
-    from latte.compiler.blas import blas
-
     features = llvm.get_host_cpu_features()
     bits = 512 if features.get("avx512f") else 256 if features.get("avx") else 128
     config = blas().scipy_openblas_get_config
@@ -98,8 +98,6 @@ def _model_name() -> str:
 def measure_sgemm(sizes: tuple[int, ...] = PEAK_SIZES, seconds: float = 1.0) -> float:
     """GFLOP/s of OpenBLAS sgemm on one thread: the best run of square products of each
     size (at least 3 runs each, more within ``seconds``; the best resists other load)."""
-    from latte.compiler.blas import blas
-
     lib = blas()
     sgemm = lib.scipy_cblas_sgemm
     sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
@@ -129,8 +127,6 @@ def peak(measure: Callable[[], float] = measure_sgemm) -> Peak:
     """This machine's :class:`Peak`, measured (``measure()``: one core's GFLOP/s) the first
     time and cached in the compile cache's folder, keyed by the CPU, its features and the
     OpenBLAS build; later calls, in any process, read the file."""
-    from latte.compiler.cache import cache_dir, write_atomic
-
     info = host()
     key = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / f"peak-{key}.json"
