@@ -215,3 +215,29 @@ def test_group_errors():
         ConvolutionLayer("big", net, x, 8, 3, dilation=4)  # spans 9 rows of 8
     with pytest.raises(ShapeError, match="dilation"):
         ConvolutionLayer("d0", net, x, 8, 3, dilation=0)
+
+
+@pytest.mark.parametrize("opt_level", [1, 3])
+def test_strided_1x1_convolution_is_gemms(opt_level):
+    """A stride-2 1x1 convolution (a ResNet projection shortcut) reads strided columns: its
+    input is gathered into a contiguous tile, so forward and both gradients are GEMMs."""
+    nets = []
+    for level in (0, opt_level):
+        net = Net(2, num_threads=2, opt_level=level, seed=0)
+        data = MemoryDataLayer(net, "data", (8, 10, 10))
+        data.needs_grad = True
+        conv = ConvolutionLayer("proj", net, data, 16, 1, stride=2)
+        WeightedSumLoss(net, "loss", conv)
+        net.init()
+        fill(net, data, np.random.default_rng(1))
+        net.forward()
+        net.backward()
+        nets.append((net, conv, data))
+    (base, conv, data), (opt, _, _) = nets
+    plan = next(p for p in opt.program.plans if p.ensemble.name == "proj")
+    for phase in ("forward", "backward"):
+        assert any(isinstance(n, Gemm) for n in walk(plan.kernels[phase].body)), phase
+    assert_scaled_close(opt.value("proj"), base.value(conv), 1e-5, "value")
+    assert_scaled_close(opt.grad("data"), base.grad(data), 1e-5, "input gradient")
+    for p, q in zip(base.params, opt.params):
+        assert_scaled_close(q.grad, p.grad, 1e-5, p.name)

@@ -70,7 +70,14 @@ def _copy(s: Loop, bufs, key: tuple):
     sink = {lp.var for lp in inner if lp.axis is not None}
 
     def windowed(ref: Ref) -> bool:
-        return any(isinstance(c, Affine) and c.vars & window and c.vars & sink for c in ref.index)
+        """A window over the sink's positions (a component mixes window and sink variables),
+        or a strided read of a batched input's positions (a 1x1 convolution of stride 2):
+        either way no GEMM operand as it stands, a contiguous one once gathered."""
+        index = [c for c in ref.index if isinstance(c, Affine)]
+        if any(c.vars & window and c.vars & sink for c in index):
+            return True
+        return ref.buffer.batched and any(c.vars & window for c in index) and any(
+            abs(c.coef(v)) != 1 for c in index for v in c.vars & sink)
 
     def tile_buffer(expr, tag: str):
         used = _vars(expr)
