@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from latte.compiler import TimeSteps
 from latte.lang import (
     ActivationEnsemble,
     DataEnsemble,
@@ -164,14 +165,22 @@ def _pair(net: Net, ref: Net) -> list[tuple]:
 
 
 def _owner(net: Net, param_name: str) -> str:
-    return param_name.rsplit(".", 1)[0]
+    """The name of the ensemble holding the parameter (a layer may publish it under its own
+    name: an LSTM's ``"lstm.weight_ih"`` lives in ``"lstm.ih"``)."""
+    return next(e.name for e in net.ensembles if isinstance(e, Ensemble)
+                for f in e.params if e.field_name(f.name) == param_name)
 
 
 def _random_data(net: Net, ens: DataEnsemble, rng: np.random.Generator) -> np.ndarray:
     """Class indices for a ``(1,)`` label (the first input of the ensembles that read it
-    gives the class count), targets in [0, 1) for other labels, standard normal values for
-    the rest."""
-    shape = (net.batch_size, *ens.shape)
+    gives the class count), targets in [0, 1) for other labels, ids for an embedding's
+    input, standard normal values for the rest; ``(time_steps, batch, *shape)`` with time
+    steps."""
+    lead = (net.time_steps, net.batch_size) if net.time_steps > 1 else (net.batch_size,)
+    shape = (*lead, *ens.shape)
+    vocab = [e.vocab_size for e in net.ensembles if getattr(e, "ids", None) is ens]
+    if vocab:
+        return rng.integers(0, min(vocab), shape).astype(np.float32)
     if _is_label(net, ens):
         readers = [e for e in net.ensembles if isinstance(e, NormalizationEnsemble)
                    and any(i is ens for i in e.inputs)]
@@ -293,10 +302,16 @@ class _FiniteDifferences:
         self.steps = net.program.forward
         order = {e: i for i, e in enumerate(net.ensembles)}
         self.position = [order[_step_ensemble(s)] for s in self.steps]
+        # a time loop reruns whole: its ensembles' probes start at its first one
+        self.loop_start = {e: order[s.ensembles[0]] for s in self.steps
+                           if isinstance(s, TimeSteps) for e in s.ensembles}
         self.order = order
 
     def value_probes(self, ens, g: np.ndarray) -> list[float | None]:
-        """Probes of d loss / d ``ens``'s values as its own forward step leaves them."""
+        """Probes of d loss / d ``ens``'s values as its own forward step leaves them (none
+        for an ensemble of a time loop: rerunning the loop recomputes them)."""
+        if ens in self.loop_start:
+            return [None] * self.probes
         live = self.net.value(ens)
         loss = functools.partial(self._rerun_from(self.order[ens] + 1), live)
         x = live.copy()
@@ -305,7 +320,8 @@ class _FiniteDifferences:
     def param_probes(self, ens, param, g: np.ndarray) -> list[float | None]:
         """Probes of d loss / d ``param`` of ``ens``."""
         base = param.value.copy()
-        loss = functools.partial(self._rerun_from(self.order[ens]), param.value)
+        start = self.loop_start.get(ens, self.order[ens])
+        loss = functools.partial(self._rerun_from(start), param.value)
         try:
             return [self._probe(base, g, loss) for _ in range(self.probes)]
         finally:
@@ -360,7 +376,10 @@ def _dot(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def _step_ensemble(step):
-    """The ensemble a level-0 forward step (one per ensemble: ``Net(profile=True)``) runs."""
+    """The ensemble a level-0 forward step (one per ensemble: ``Net(profile=True)``) runs;
+    a time loop's first."""
+    if isinstance(step, TimeSteps):
+        return step.ensembles[0]
     kernels = getattr(step, "kernels", None)
     if kernels is None:
         return step.ensemble

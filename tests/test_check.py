@@ -190,3 +190,23 @@ def test_console_script_exit_status(tmp_path):
                             capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "sq" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_recurrent_net_agrees(capsys, tmp_path):
+    """Time nets: data shaped (T, batch, ...), ids for an embedding, each parameter of an
+    LSTM (published under the layer's name) probed by rerunning its time loop whole."""
+    script = tmp_path / "lstm_net.py"
+    script.write_text(
+        "from latte import Net\n"
+        "from latte.stdlib import (EmbeddingLayer, FullyConnectedLayer, LSTMLayer,\n"
+        "                          MemoryDataLayer, SoftmaxLossLayer)\n"
+        "net = Net(2, time_steps=3, seed=0)\n"
+        "x = MemoryDataLayer(net, 'x', (1,))\n"
+        "label = MemoryDataLayer(net, 'label', (1,))\n"
+        "h = LSTMLayer('lstm', net, EmbeddingLayer('emb', net, x, 7, 4), 5)\n"
+        "SoftmaxLossLayer('loss', net, FullyConnectedLayer('out', net, h, 7), label)\n")
+    status, out, err = _check(capsys, script)
+    assert status == 0, out + err
+    rows = _rows(out)
+    for name in ("emb", "lstm.ih", "lstm.hh", "out"):
+        assert float(rows[name][3]) <= FD_RTOL, name   # its parameters, by differences
