@@ -1,6 +1,6 @@
 """Codegen: loop IR -> LLVM IR (llvmlite.ir).
 
-Each kernel becomes an internal ``noinline`` function taking its buffers as ``noalias``
+Each kernel becomes an internal function taking its buffers as ``noalias``
 pointers; a *segment* (consecutive kernels run without returning to Python) is an exported
 function ``void seg(ptr* buffers)`` that loads the pointers from the runtime's buffer table
 and calls its kernels. Kernels that differ only in the buffers they touch (VGG's repeated
@@ -126,7 +126,6 @@ class ModuleBuilder:
         if fn is None:
             self._kernels += 1
             fn = self.function(f"k{self._kernels}_{_mangle(kernel.name)}", len(bufs), [])
-            fn.attributes.add("noinline")
             _KernelEmitter(self, fn, dict(zip(bufs, fn.args)), kernel).emit()
             self._shared[key] = fn
         return fn
