@@ -4,8 +4,8 @@ Each kernel becomes an internal function taking its buffers as ``noalias``
 pointers; a *segment* (consecutive kernels run without returning to Python) is an exported
 function ``void seg(ptr* buffers)`` that loads the pointers from the runtime's buffer table
 and calls its kernels. Kernels that differ only in the buffers they touch (VGG's repeated
-3x3 convolutions, ResNet's repeated blocks) share one function, so LLVM optimizes and
-compiles each distinct kernel once. Float arithmetic carries ``reassoc contract`` so that
+3x3 convolutions, ResNet's repeated blocks) share one function (which LLVM's inliner may
+still copy into its callers). Float arithmetic carries ``reassoc contract`` so that
 reductions vectorize.
 
 With ``LATTE_CHECK_BOUNDS=1`` every load, store and GEMM operand block is checked against
