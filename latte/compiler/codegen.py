@@ -114,9 +114,9 @@ class ModuleBuilder:
     def _kernel(self, kernel: Kernel, bufs: list[Buffer]) -> ir.Function:
         """The function running ``kernel`` over the pointers ``bufs``: one already emitted
         for a kernel of the same structure (the same IR with each buffer in the same argument
-        position (the order of first access) and of the same element type) or a new one. With bounds checks the
-        kernel's name and its buffers' names and sizes are part of the code, hence of the
-        structure."""
+        position (the order of first access) and of the same element type) or a new one.
+        With bounds checks the kernel's name and its buffers' names and sizes are part of the
+        code, hence of the structure."""
         detail = ((lambda b: (b.dtype, b.size, b.name)) if self.check_bounds
                   else (lambda b: b.dtype))
         key = structure(kernel.body, {b: f"{i}:{detail(b)}" for i, b in enumerate(bufs)})
