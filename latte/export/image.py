@@ -21,7 +21,7 @@ from latte.compiler.jit import target
 from latte.compiler.pipeline import llvm_ir
 from latte.errors import ExportError
 from latte.lang import Phase
-from latte.runtime.predict import PredictPlan, _plan
+from latte.runtime.predict import PredictPlan, _plan, _sample_shape, _timed, prepare_fields
 
 ALIGN = 64   # as latte.runtime.memory: the generated code assumes nothing less
 
@@ -52,10 +52,6 @@ class Samples:
     outer_stride: int
     batch_stride: int
     inner: int
-
-    @property
-    def size(self) -> int:
-        return self.outer * self.inner
 
 
 @dataclass(frozen=True)
@@ -116,8 +112,7 @@ def model_image(net) -> ModelImage:
 def _prepare(net, plan: PredictPlan) -> None:
     """Put the net in its test-phase state as ``net.predict`` does, and run the host steps
     that compute constants from ``net.state``; refuse any other host step."""
-    for ens in plan.before_forward:
-        ens.before_forward(Phase.TEST, {name: net.field(ens, name) for name in ens.fields})
+    prepare_fields(net, plan)
     hosts = [s for s in plan.steps if isinstance(s, HostStep)]
     for step in hosts:
         if step.ensemble.reads_inputs(Phase.TEST):
@@ -147,12 +142,12 @@ def _samples(net, ens, index: dict) -> Samples:
     buf = net.program.buffers.value(ens)
     view, base = net.value(ens), net._memory[buf]
     item = 4
-    timed = view.ndim == len(ens.shape) + 2
+    timed = _timed(view, ens)
     inner = int(np.prod(ens.shape, dtype=np.int64))
     lead = view.strides[:2] if timed else (0, view.strides[0])
     if view.dtype != np.float32 or not view[(0,) * (1 + timed)].flags.c_contiguous:
         raise ExportError(f"cannot export: the values of {ens.name!r} are not float32 items "
                           "stored one after the other")
-    return Samples(ens.name, ((view.shape[0],) if timed else ()) + tuple(ens.shape), index[buf],
+    return Samples(ens.name, _sample_shape(view, ens), index[buf],
                    (view.ctypes.data - base.ctypes.data) // item, view.shape[0] if timed else 1,
                    lead[0] // item, lead[1] // item, inner)

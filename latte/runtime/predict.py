@@ -54,8 +54,7 @@ def predict(net, x, output=None) -> np.ndarray:
                          f"{x.shape}")
     n, batch = len(x), net.batch_size
     out = np.empty((n, *_sample_shape(x_out, plan.output)), np.float32)
-    for ens in plan.before_forward:
-        ens.before_forward(Phase.TEST, {name: net.field(ens, name) for name in ens.fields})
+    prepare_fields(net, plan)
     for ens in net.ensembles:
         if isinstance(ens, NormalizationEnsemble):
             ens.phase = Phase.TEST
@@ -66,6 +65,13 @@ def predict(net, x, output=None) -> np.ndarray:
         net.run_steps(list(plan.steps))
         out[lo:lo + count] = from_buffer(x_out, plan.output, count)
     return out
+
+
+def prepare_fields(net, plan: PredictPlan) -> None:
+    """Have the ensembles that prepare fields for ``plan`` do so for ``Phase.TEST``
+    (dropout's all-ones mask)."""
+    for ens in plan.before_forward:
+        ens.before_forward(Phase.TEST, {name: net.field(ens, name) for name in ens.fields})
 
 
 def to_buffer(view: np.ndarray, ens, samples: np.ndarray) -> None:
