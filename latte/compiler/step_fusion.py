@@ -4,7 +4,7 @@ hidden state), run as one batch loop: one item's rows stay in cache from the fir
 ensemble's work to the next one's, and the threads split one loop instead of several.
 
 Legal when every buffer the two kernels share, and either writes, is accessed per item: the
-batch index leads the access and the rest of the index stays within the item's row.
+batch index leads the access (the verifier keeps the rest of the index within the row).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from latte.compiler.ir import Affine, Block, Kernel, Loop, accesses, substitute
+from latte.compiler.passes.parallel import per_item
 from latte.compiler.passes.tiling import is_batch_loop
 
 
@@ -58,24 +59,8 @@ def _fusable(a: Kernel, b: Kernel) -> bool:
     in_a = {x.buffer for lp in la for x in accesses(lp)}
     in_b = {x.buffer for lp in lb for x in accesses(lp)}
     shared = {x.buffer for _, x in found if x.written} & in_a & in_b
-    return all(_per_item(x, var) for var, x in found if x.buffer in shared)
-
-
-def _per_item(x, batch: str) -> bool:
-    """Access ``x`` touches only batch item ``batch``'s row of its buffer."""
-    buf, off = x.buffer, x.offset
-    if not buf.batched or off is None or x.index is None:
-        return False
-    row = buf.size // buf.shape[0]
-    if off.coef(batch) != row or x.view[:1] != buf.shape[:1]:
-        return False
-    lo = hi = off.const
-    for var, (first, last) in x.ranges().items():
-        if var == batch:
-            continue
-        c = off.coef(var)
-        lo, hi = lo + min(c * first, c * last), hi + max(c * first, c * last)
-    return 0 <= lo and hi < row and not (off.vars - {batch} - set(x.ranges()))
+    return all(per_item(x, var) and x.view[:1] == x.buffer.shape[:1]
+               for var, x in found if x.buffer in shared)
 
 
 def _merge(a: Kernel, b: Kernel) -> Kernel:

@@ -189,14 +189,20 @@ class DataEnsemble(BaseEnsemble):
         super().__init__(net, name, shape)
 
 
-def sources(net, ens: BaseEnsemble) -> list[BaseEnsemble]:
-    """The ensembles whose values ``ens`` reads, in a fixed order: its connections' sources,
-    a normalization ensemble's inputs, an activation's source."""
+def source_links(net, ens: BaseEnsemble) -> list[tuple[BaseEnsemble, bool]]:
+    """``(source, recurrent)`` for every value ``ens`` reads, in a fixed order: its
+    connections' sources, a normalization ensemble's inputs, an activation's source."""
     if isinstance(ens, NormalizationEnsemble):
-        return list(ens.inputs)
+        return [(i, False) for i in ens.inputs]
     if isinstance(ens, ActivationEnsemble):
-        return [ens.source]
-    return [c.source for c in net.connections_into(ens)]
+        return [(ens.source, False)]
+    return [(c.source, c.recurrent) for c in net.connections_into(ens)]
+
+
+def sources(net, ens: BaseEnsemble) -> list[BaseEnsemble]:
+    """The ensembles whose values ``ens`` reads (at this step or, recurrently, the one
+    before), in :func:`source_links`' order."""
+    return [s for s, _ in source_links(net, ens)]
 
 
 def readers(net, ens: BaseEnsemble) -> list[BaseEnsemble]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from latte.errors import MappingError
-from latte.lang.ensemble import ActivationEnsemble, NormalizationEnsemble
+from latte.lang.ensemble import NormalizationEnsemble, source_links, sources
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,18 +26,10 @@ class TimeLoop:
         return "+".join(e.name for e in self.ensembles)
 
 
-def inputs(net, ens) -> list[tuple[object, bool]]:
-    """``(source, recurrent)`` for every value ``ens`` reads, in a fixed order."""
-    if isinstance(ens, NormalizationEnsemble):
-        return [(i, False) for i in ens.inputs]
-    if isinstance(ens, ActivationEnsemble):
-        return [(ens.source, False)]
-    return [(c.source, c.recurrent) for c in net.connections_into(ens)]
-
-
 def check_time(net) -> None:
-    """Raise :class:`MappingError` for a cycle that passes through no recurrent connection
-    and for a recurrent connection in a net without time steps."""
+    """Raise :class:`MappingError` for a cycle that passes through no recurrent connection,
+    a recurrent connection in a net without time steps and a normalization ensemble (an
+    array operation over every step at once) in a time loop."""
     recurrent = [c for c in net.connections if c.recurrent]
     if recurrent and getattr(net, "time_steps", 1) <= 1:
         raise MappingError(f"{recurrent[0].describe()} is recurrent (it reads the previous time "
@@ -48,6 +40,10 @@ def check_time(net) -> None:
                            f"{' <- '.join(repr(e.name) for e in cycle)} that passes through no "
                            "recurrent connection: mark the one that reads the previous time "
                            "step with add_connections(..., recurrent=True)")
+    for e in _stepped(net):
+        if isinstance(e, NormalizationEnsemble):
+            raise MappingError(f"ensemble {e.name!r} is an array operation over the whole batch "
+                               "and all time steps; it cannot be on a recurrent cycle")
 
 
 def time_loops(net) -> list[TimeLoop]:
@@ -80,7 +76,7 @@ def order_for_time(net) -> None:
     # components in dependency order (recurrent reads across components too), stable
     after: dict[int, set] = {c: set() for c in members}
     for e in net.ensembles:
-        for src, _ in inputs(net, e):
+        for src in sources(net, e):
             if src in comp and comp[src] != comp[e]:
                 after[comp[e]].add(comp[src])
     done: set = set()
@@ -96,7 +92,7 @@ def order_for_time(net) -> None:
 def _step_order(net, group: list, index: dict) -> list:
     """``group`` ordered so that each ensemble follows what it reads in the same step."""
     inside = set(group)
-    needs = {e: {s for s, rec in inputs(net, e) if s in inside and not rec and s is not e}
+    needs = {e: {s for s, rec in source_links(net, e) if s in inside and not rec and s is not e}
              for e in group}
     out: list = []
     while len(out) < len(group):
@@ -114,12 +110,8 @@ def _stepped(net) -> dict:
         sizes[c] = sizes.get(c, 0) + 1
     out = {}
     for e in net.ensembles:
-        if sizes[comp[e]] > 1 or any(rec or s is e for s, rec in inputs(net, e)):
+        if sizes[comp[e]] > 1 or any(rec or s is e for s, rec in source_links(net, e)):
             out[e] = comp[e]
-    for e in out:
-        if isinstance(e, NormalizationEnsemble):
-            raise MappingError(f"ensemble {e.name!r} is an array operation over the whole batch "
-                               "and all time steps; it cannot be on a recurrent cycle")
     return out
 
 
@@ -135,7 +127,7 @@ def _components(net) -> dict:
     for root in net.ensembles:
         if root in index:
             continue
-        work = [(root, iter([s for s, _ in inputs(net, root)]))]
+        work = [(root, iter(sources(net, root)))]
         index[root] = low[root] = counter
         counter += 1
         stack.append(root)
@@ -149,7 +141,7 @@ def _components(net) -> dict:
                     counter += 1
                     stack.append(nxt)
                     on_stack.add(nxt)
-                    work.append((nxt, iter([s for s, _ in inputs(net, nxt)])))
+                    work.append((nxt, iter(sources(net, nxt))))
                 elif nxt in on_stack:
                     low[node] = min(low[node], index[nxt])
                 continue
@@ -177,7 +169,7 @@ def _cycle(net) -> list | None:
     known = set(net.ensembles)
 
     def reads(e):
-        return [s for s, rec in inputs(net, e) if not rec]
+        return [s for s, rec in source_links(net, e) if not rec]
 
     for root in net.ensembles:
         if state.get(root) == 2:

@@ -63,6 +63,7 @@ class Executor:
         self._update_grads: dict[int, list[np.ndarray]] = {}   # id(segment) -> its gradients
         self.code = NativeCode(program.library, program.segments(), memory.table)
         self._slots = {b: i for i, b in enumerate(program.buffers.buffers.values())}
+        self._loop_views: dict[int, tuple] = {}   # id(TimeSteps) -> its views' table entries
         fused = {(g.owner(phase).ensemble, phase): g.name
                  for g in program.groups for phase in ("forward", "backward")}
         # a group fused in the test forward alone runs from its owner's kernel "test"
@@ -115,17 +116,19 @@ class Executor:
 
     def _time_steps(self, loop: TimeSteps, valid: int) -> None:
         """Run ``loop``'s steps once per time step, its step views on that step's rows."""
-        bufs, mem, table = self.program.buffers, self.memory, self.memory.table
-        views = []
-        for view, base, shift in loop.views:
-            if shift and base.key[1] != "value":
-                mem[view][...] = 0.0   # gradients into the step before step 0 are dropped
-            row = mem[view].nbytes
-            views.append((self._slots[view], mem[base].ctypes.data, row, shift,
-                          mem[view].ctypes.data))
-        steps = range(bufs.time_steps)
+        mem, table = self.memory, self.memory.table
+        if id(loop) not in self._loop_views:
+            self._loop_views[id(loop)] = tuple(
+                (self._slots[view], mem[base].ctypes.data, mem[view].nbytes, shift,
+                 mem[view].ctypes.data, shift < 0 and base.key[1] != "value")
+                for view, base, shift in loop.views)
+        views = self._loop_views[id(loop)]
+        for _, _, row, _, before, dropped in views:
+            if dropped:   # gradients into the step before step 0 go here, and nowhere
+                ctypes.memset(before, 0, row)
+        steps = range(self.program.buffers.time_steps)
         for t in (reversed(steps) if loop.reverse else steps):
-            for slot, start, row, shift, before in views:
+            for slot, start, row, shift, before, _ in views:
                 table[slot] = start + (t + shift) * row if t + shift >= 0 else before
             self._run(loop.steps, valid)
 

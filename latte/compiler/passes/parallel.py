@@ -85,8 +85,8 @@ def _stores(s) -> list[Access]:
     return [a for a in accesses(s) if a.written and not _is_scratch(a.buffer)]
 
 
-def _per_item(a: Access, batch: str) -> bool:
-    """The store lands in the batch item ``batch`` of a batched buffer."""
+def per_item(a: Access, batch: str) -> bool:
+    """The access lands in the batch item ``batch`` of a batched buffer."""
     if not a.buffer.batched:
         return False
     if a.index is not None:
@@ -102,7 +102,7 @@ def _batch_nest(nest: Loop, bufs) -> list:
     extents = {n.var: n.extent for n in walk(nest) if isinstance(n, Loop)}
     # in order of first store: a set of buffers (hashed by address) would order the copies,
     # and with them the generated code, differently in every process
-    private = list(dict.fromkeys(a.buffer for a in _stores(nest) if not _per_item(a, nest.var)))
+    private = list(dict.fromkeys(a.buffer for a in _stores(nest) if not per_item(a, nest.var)))
     if not all(_only_accumulated(nest, b) for b in private):
         return [nest]
     collapse = 1
