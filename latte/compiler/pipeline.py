@@ -166,6 +166,11 @@ def _fuse_groups(c: Compilation) -> None:
             group.owner(phase).kernels[phase] = fused
 
 
+def _fuse_steps(c: Compilation) -> None:
+    """A time loop's element-wise ensembles: one loop over the step's items."""
+    c.fused_steps = fuse_steps(c.plans, c.stepped, PHASES)
+
+
 def _localize_recomputed(c: Compilation) -> None:
     """Recomputed fields live in per-thread tile buffers of the backward group."""
     for group in c.groups:
@@ -213,9 +218,7 @@ STEPS = (
     Step("fold_zero_init", 1, _fold_zero_init),
     Step("fuse_groups", 3, _fuse_groups, per_kernel=False),
     # a time loop's element-wise ensembles: one loop over the step's items
-    Step("fuse_steps", 3, lambda c: setattr(c, "fused_steps",
-                                            fuse_steps(c.plans, c.stepped, PHASES)),
-         per_kernel=False),
+    Step("fuse_steps", 3, _fuse_steps, per_kernel=False),
     # nests over the same tiles run tile by tile
     Step("fuse_nests", 2, lambda c, k: fuse_nests(k)),
     # batch x tiles across threads, private gradients reduced in thread order
@@ -252,8 +255,7 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     (and zeroing the gradients one of its own), so the runtime can act between ensembles:
     start gradient reductions over MPI, time each ensemble when profiling.
     """
-    bufs = BufferPlan(net.batch_size, threads if opt_level >= 2 else 1,
-                      getattr(net, "time_steps", 1))
+    bufs = BufferPlan(net.batch_size, threads if opt_level >= 2 else 1, net.time_steps)
     # a tile's working set: the L2
     c = Compilation(net, opt_level, bufs, split_segments, budget=cache_sizes()[2])
     checked: dict[int, Kernel] = {}   # holds every checked kernel, so ids stay unique

@@ -31,7 +31,7 @@ def check_time(net) -> None:
     a recurrent connection in a net without time steps and a normalization ensemble (an
     array operation over every step at once) in a time loop."""
     recurrent = [c for c in net.connections if c.recurrent]
-    if recurrent and getattr(net, "time_steps", 1) <= 1:
+    if recurrent and net.time_steps <= 1:
         raise MappingError(f"{recurrent[0].describe()} is recurrent (it reads the previous time "
                            "step), but the net has time_steps=1: give Net(..., time_steps=T)")
     cycle = _cycle(net)
