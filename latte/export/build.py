@@ -31,7 +31,8 @@ def build(image: ModelImage, directory: Path, origin: str) -> list[Path]:
     cc = _compiler()
     directory.mkdir(parents=True, exist_ok=True)
     written = [directory / csource.HEADER]
-    _write(written[0], csource.header(image, origin).encode())
+    header = csource.header(image, origin)
+    _write(written[0], header.encode())
     needs = _native_libraries(image.object_code)
     for lib, name in needs:
         written.append(directory / name)
@@ -42,7 +43,7 @@ def build(image: ModelImage, directory: Path, origin: str) -> list[Path]:
         (work / "model.o").write_bytes(image.object_code)
         (work / "blob.bin").write_bytes(image.blob)
         (work / "exports.map").write_text(_VERSION_SCRIPT)
-        (work / csource.HEADER).write_text(csource.header(image, origin))
+        (work / csource.HEADER).write_text(header)
         (work / "driver.c").write_text(csource.driver(image, str(work / "blob.bin"),
                                                       _calls(image.object_code, SGEMM)))
         out = work / LIBRARY
