@@ -1,12 +1,21 @@
-"""Helpers shared by the test files: a test loss and finite-difference gradient checks."""
+"""Helpers shared by the test files: a test loss, finite-difference gradient checks, and
+running ``latte run`` (under ``mpiexec`` too) on a script."""
 
 from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 
 from latte import NormalizationEnsemble
 
 OPT_LEVELS = (0, 1, 2)
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 
 class WeightedSumLoss(NormalizationEnsemble):
@@ -108,3 +117,27 @@ def assert_scaled_close(actual, expected, rtol: float, what: str) -> None:
     scale = max(float(np.abs(expected).max(initial=0.0)), 1e-30)
     err = float(np.abs(actual - expected).max(initial=0.0))
     assert err <= rtol * scale, f"{what}: max error {err:.3g} is {err / scale:.3g} of the scale {scale:.3g}"
+
+
+def pair(v) -> tuple[int, int]:
+    """A kernel, stride or padding given as one int or a pair, as a pair."""
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+def latte_run(script: Path, *args: str, ranks: int = 1, timeout: float = 120,
+              **env) -> subprocess.CompletedProcess:
+    """``latte run script *args`` in a fresh process (under ``mpiexec -n ranks`` for more
+    than one rank), with ``env`` added to the environment (less any MPI launcher's)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "MPI_"))}
+    environ.update({k: str(v) for k, v in env.items()})
+    cmd = [sys.executable, "-m", "latte", "run", str(script), *args]
+    if ranks > 1:
+        cmd = [MPIEXEC, "-n", str(ranks), *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=timeout)
+
+
+def run_results(out: Path) -> tuple[dict, dict]:
+    """The ``params.npz`` and ``history.json`` a test script's rank 0 wrote into ``out``."""
+    with np.load(out / "params.npz") as f:
+        params = dict(f)
+    return params, json.loads((out / "history.json").read_text())

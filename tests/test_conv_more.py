@@ -8,7 +8,7 @@ import itertools
 import islpy as isl
 import numpy as np
 import pytest
-from helpers import WeightedSumLoss, assert_scaled_close, fill
+from helpers import WeightedSumLoss, assert_scaled_close, fill, pair
 
 from latte import Net
 from latte.compiler.explain import explain_program
@@ -39,10 +39,6 @@ def _ids(case) -> str:
     return f"c{c}-{h}x{w}-f{f}-k{k}-s{s}-p{p}-d{d}-g{g}-{'bias' if b else 'nobias'}"
 
 
-def _pair(v) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else tuple(v)
-
-
 @pytest.mark.parametrize("opt_level", [0, 3])
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_against_torch(opt_level, case):
@@ -56,7 +52,7 @@ def test_against_torch(opt_level, case):
     net.init()
     params = {p.name: p for p in net.params}
     assert sorted(params) == (["conv.bias", "conv.weights"] if bias else ["conv.weights"])
-    (kh, kw) = _pair(kernel)
+    (kh, kw) = pair(kernel)
     weights = params["conv.weights"]
     assert weights.value.shape == (f, c // groups * kh * kw)
     if bias:
@@ -70,7 +66,7 @@ def test_against_torch(opt_level, case):
     bt = (torch.tensor(params["conv.bias"].value[:, 0], dtype=torch.float64, requires_grad=True)
           if bias else None)
     xt = torch.tensor(xv, dtype=torch.float64, requires_grad=True)
-    yt = torch.nn.functional.conv2d(xt, wt, bt, _pair(stride), _pair(pad), _pair(dilation), groups)
+    yt = torch.nn.functional.conv2d(xt, wt, bt, pair(stride), pair(pad), pair(dilation), groups)
     assert conv.shape == tuple(yt.shape[1:])
     (yt * torch.tensor(loss.w, dtype=torch.float64)).sum().backward()
     assert_scaled_close(net.value(conv), yt.detach().numpy(), 1e-5, "forward")

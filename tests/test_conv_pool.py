@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import OPT_LEVELS, WeightedSumLoss, check_gradients, fill, fill_labels, set_biases
+from helpers import OPT_LEVELS, WeightedSumLoss, check_gradients, fill, fill_labels, pair, set_biases
 
 from latte import Net, Phase
 from latte.errors import ShapeError
@@ -23,13 +23,9 @@ from latte.stdlib import (
 BATCH = 2
 
 
-def _pair(v) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else tuple(v)
-
-
 def _windows(x: np.ndarray, kernel, stride, pad, fill_value: float = 0.0) -> np.ndarray:
     """``out[n, c, i, j, a, b] = xp[n, c, sy*i + a, sx*j + b]`` with ``xp`` padded by ``pad``."""
-    (kh, kw), (sy, sx), (py, px) = _pair(kernel), _pair(stride), _pair(pad)
+    (kh, kw), (sy, sx), (py, px) = pair(kernel), pair(stride), pair(pad)
     xp = np.pad(x, ((0, 0), (0, 0), (py, py), (px, px)), constant_values=fill_value)
     out_h = (xp.shape[2] - kh) // sy + 1
     out_w = (xp.shape[3] - kw) // sx + 1
@@ -59,7 +55,7 @@ def test_convolution(opt_level, c, h, w, f, kernel, stride, pad):
     conv = ConvolutionLayer("conv", net, x, f, kernel, stride=stride, pad=pad)
     WeightedSumLoss(net, "loss", conv)
     net.init()
-    (kh, kw), (sy, sx) = _pair(kernel), _pair(stride)
+    (kh, kw), (sy, sx) = pair(kernel), pair(stride)
     out_h, out_w = (h + 2 * pad - kh) // sy + 1, (w + 2 * pad - kw) // sx + 1
     assert conv.shape == (f, out_h, out_w)
     weights, bias = net.params
@@ -91,7 +87,7 @@ POOL_IDS = [f"c{c}-{h}x{w}-k{k}-s{s}-p{p}" for c, h, w, k, s, p in POOL_CASES]
 
 def _pool_grad(windows_grad: np.ndarray, x_shape, kernel, stride, pad) -> np.ndarray:
     """Scatter-add per-window gradients ``(n, c, oh, ow, kh, kw)`` back onto the input."""
-    (kh, kw), (sy, sx), (py, px) = _pair(kernel), _pair(stride), _pair(pad)
+    (kh, kw), (sy, sx), (py, px) = pair(kernel), pair(stride), pair(pad)
     n, c, h, w = x_shape
     gp = np.zeros((n, c, h + 2 * py, w + 2 * px))
     for i in range(windows_grad.shape[2]):
@@ -140,7 +136,7 @@ def test_mean_pooling(opt_level, c, h, w, kernel, stride, pad):
     net, x, pool, loss = _pool_net(MeanPoolingLayer, opt_level, c, h, w, kernel, stride, pad)
     xv = fill(net, x, rng)
     net.forward()
-    kh, kw = _pair(kernel)
+    kh, kw = pair(kernel)
     stride = stride or kernel
     win = _windows(xv, kernel, stride, pad)
     np.testing.assert_allclose(net.value(pool), win.sum(axis=(-2, -1)) / (kh * kw),

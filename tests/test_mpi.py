@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 import pytest
+from helpers import MPIEXEC, latte_run, run_results
 
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 pytestmark = [pytest.mark.mpi,
               pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")]
 
@@ -73,20 +72,9 @@ def _run(tmp_path, ranks: int, batch: int, name: str, timeout: float = 60, **env
     script.write_text(SCRIPT)
     out = tmp_path / name
     out.mkdir(exist_ok=True)
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "MPI_"))}
-    environ.update(LATTE_CACHE_DIR=str(tmp_path / "cache"), B=str(batch), OUT=str(out),
-                   **{k: str(v) for k, v in env.items()})
-    cmd = [sys.executable, "-m", "latte", "run", str(script)]
-    if ranks > 1:
-        cmd = [MPIEXEC, "-n", str(ranks), *cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=timeout)
+    proc = latte_run(script, ranks=ranks, timeout=timeout, LATTE_CACHE_DIR=tmp_path / "cache",
+                     B=batch, OUT=out, **env)
     return proc, out
-
-
-def _results(out):
-    with np.load(out / "params.npz") as f:
-        params = dict(f)
-    return params, json.loads((out / "history.json").read_text())
 
 
 @pytest.mark.parametrize("solver", [{}, {"SOLVER": "Adam", "CLIP": 0.1}, {"T": 5}],
@@ -97,8 +85,8 @@ def test_two_ranks_train_like_one_process_at_twice_the_batch(tmp_path, solver):
     assert one.returncode == 0, one.stderr
     two, out2 = _run(tmp_path, 2, 8, "two", **solver)
     assert two.returncode == 0, two.stderr
-    p1, h1 = _results(out1)
-    p2, h2 = _results(out2)
+    p1, h1 = run_results(out1)
+    p2, h2 = run_results(out2)
     assert p1.keys() == p2.keys()
     for k in p1:
         np.testing.assert_allclose(p2[k], p1[k], rtol=1e-5, atol=1e-6, err_msg=k)
@@ -122,7 +110,7 @@ def test_failed_rank_stops_the_job_and_training_resumes_from_the_snapshot(tmp_pa
         assert json.loads(str(f["__state__"])) == {"iteration": 8, "epoch": 2}
     proc, out = _run(tmp_path, 2, 8, "run")
     assert proc.returncode == 0, proc.stderr
-    _, hist = _results(out)
+    _, hist = run_results(out)
     assert hist["state"] == {"iteration": 16, "epoch": 4}
     assert len(hist["train"]) == 8   # epochs 3 and 4 only
 

@@ -10,7 +10,6 @@ import json
 import os
 import random
 import runpy
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,13 +19,12 @@ import zipfile
 
 import numpy as np
 import pytest
+from helpers import MPIEXEC, latte_run, run_results
 
 from latte.compiler import cache
 from latte.errors import DataError, LatteError, TrainingError
 from latte.solvers import SGD, Adam, LRPolicy, MomPolicy, SolverParameters, solve
 from latte.solvers.snapshots import newest_snapshot, snapshots
-
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
 
 # a tiny deterministic MLP with dropout and shuffling, trained by `latte run` (OUT, EVERY
 # and SOLVER from the environment) or built by the tests through build()
@@ -140,21 +138,6 @@ def test_adam_moments_and_batch_norm_state_resume(tmp_path):
     assert_same(resumed.state, straight.state)
 
 
-def _latte_run(script, out, *args, ranks: int = 1, **env):
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "MPI_"))}
-    environ.update(OUT=str(out), **{k: str(v) for k, v in env.items()})
-    cmd = [sys.executable, "-m", "latte", "run", str(script), *args]
-    if ranks > 1:
-        cmd = [MPIEXEC, "-n", str(ranks), *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, env=environ, timeout=120)
-
-
-def _results(out):
-    with np.load(out / "params.npz") as f:
-        params = dict(f)
-    return params, json.loads((out / "history.json").read_text())
-
-
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=[
     pytest.mark.mpi, pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")])])
 def test_latte_run_resume_continues_bitwise(script, tmp_path, ranks):
@@ -164,9 +147,9 @@ def test_latte_run_resume_continues_bitwise(script, tmp_path, ranks):
     batch = 8 // ranks
     a, b = tmp_path / "a", tmp_path / "b"
     for out, args in ((a, ()), (b, ("--max-epoch", "2")), (b, ("--resume",))):
-        proc = _latte_run(script, out, *args, ranks=ranks, B=batch)
+        proc = latte_run(script, *args, ranks=ranks, OUT=out, B=batch)
         assert proc.returncode == 0, proc.stderr
-    (pa, ha), (pb, hb) = _results(a), _results(b)
+    (pa, ha), (pb, hb) = run_results(a), run_results(b)
     assert_same(pa, pb)
     assert hb["train"] == ha["train"][10:] and hb["state"] == ha["state"]
     logs = [list(csv.reader(open(out / "log.csv"))) for out in (a, b)]
@@ -175,12 +158,12 @@ def test_latte_run_resume_continues_bitwise(script, tmp_path, ranks):
 
 def test_a_new_run_refuses_another_runs_folder(script, tmp_path):
     out = tmp_path / "run"
-    assert _latte_run(script, out, "--max-epoch", "1").returncode == 0
-    proc = _latte_run(script, out, "--max-epoch", "1")
+    assert latte_run(script, "--max-epoch", "1", OUT=out).returncode == 0
+    proc = latte_run(script, "--max-epoch", "1", OUT=out)
     assert proc.returncode == 1
     assert "holds another run's files" in proc.stderr and "--resume" in proc.stderr
     assert [p.name for p in snapshots(out)] == ["snapshot_000005.npz"]   # left alone
-    proc = _latte_run(script, out, "--max-epoch", "1", "--overwrite")
+    proc = latte_run(script, "--max-epoch", "1", "--overwrite", OUT=out)
     assert proc.returncode == 0, proc.stderr
     assert len(list(csv.reader(open(out / "log.csv")))) == 2   # a new log: header, epoch 1
     with pytest.raises(LatteError, match="holds another run's files"):
