@@ -118,16 +118,17 @@ class _TargetLoss(NormalizationEnsemble):
 
     def _pair(self, inputs, valid: int) -> tuple[np.ndarray, np.ndarray]:
         x, t = (a.reshape(a.shape[0], -1)[:valid].astype(np.float64) for a in inputs)
-        if self.bounds is not None:
+        return x, t
+
+    def forward(self, inputs, value, valid):
+        x, t = self._pair(inputs, valid)
+        if self.bounds is not None:   # checked once per batch: backward sees the same targets
             bad = (t < self.bounds[0]) | (t > self.bounds[1])
             if bad.any():
                 i, j = np.unravel_index(int(np.argmax(bad)), bad.shape)
                 raise ShapeError(f"loss {self.name!r}: target {t[i, j]:g} of batch item {i} "
                                  f"is not in [{self.bounds[0]:g}, {self.bounds[1]:g}]")
-        return x, t
-
-    def forward(self, inputs, value, valid):
-        per_item = self.elementwise(*self._pair(inputs, valid)).sum(axis=1)
+        per_item = self.elementwise(x, t).sum(axis=1)
         value[...] = 0.0
         value[:valid, 0] = per_item
         total = distributed.allreduce_sum(np.array([per_item.sum(), valid], np.float64))
