@@ -60,7 +60,8 @@ def _live_nodes(imp: Importer, graph) -> list:
     return nodes[::-1]
 
 
-def _input(imp: Importer, onnx, value_info) -> Tensor:
+def _input(imp: Importer, value_info) -> Tensor:
+    onnx = imp.onnx
     tensor_type = value_info.type.tensor_type
     dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor_type.shape.dim]
     where = f"ONNX graph input {value_info.name!r}"
@@ -111,7 +112,7 @@ def load_onnx(path, batch_size: int, **net_kwargs) -> tuple[Net, list, list]:
     nodes = _live_nodes(imp, graph)
     inputs = []
     for value_info in graph_inputs:
-        imp.values[value_info.name] = tensor = _input(imp, onnx, value_info)
+        imp.values[value_info.name] = tensor = _input(imp, value_info)
         inputs.append(tensor.ens)
     for node in nodes:
         for name, value in zip(node.output, _run(imp, node)):
