@@ -30,6 +30,16 @@ def median_ms(fn, warmup: int = 5, repeat: int = 30) -> float:
     return statistics.median(times) * 1e3
 
 
+def machine() -> str:
+    """The CPU, its core count and vector width, for a table's caption (what latte's
+    ``--profile`` names: ``latte.compiler.machine.host``)."""
+    from latte.compiler.machine import host  # noqa: PLC0415
+
+    info = host()
+    return (f"{info['cpu']}, {os.cpu_count()} CPUs, {info['vector_bits']}-bit vectors "
+            f"({info['llvm_cpu']})")
+
+
 # glibc returns blocks above 32 MiB to the OS on free, so an eager framework that allocates
 # its activations per call page-faults them in again every call (costly in a VM). With
 # these settings every worker keeps freed memory, and such a framework runs warm.

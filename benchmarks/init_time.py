@@ -25,7 +25,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import OtherLoad, emit, table  # noqa: E402
+from harness import OtherLoad, emit, machine, table  # noqa: E402
 
 VGG16 = ((64, 64), (128, 128), (256, 256, 256), (512, 512, 512), (512, 512, 512))
 
@@ -101,15 +101,6 @@ def run(name: str, threads: int, cache: str) -> dict:
     return json.loads([ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1])
 
 
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return "unknown CPU"
-    return next((ln.split(":", 1)[1].strip() for ln in out.splitlines()
-                 if ln.startswith("Model name")), "unknown CPU")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", default=None, help="internal: time one net.init()")
@@ -132,7 +123,7 @@ def main() -> None:
                      f"{statistics.median(w['init_s'] for w in warm):.2f}",
                      f"{hits}/{len(warm)}"])
     print(f"net.init() in fresh processes, {args.threads} threads, opt level 3; "
-          f"{cpu_name()}, {os.cpu_count()} CPUs")
+          f"{machine()}")
     print(table(rows, ["net", "cold s", "warm s (median)", "warm runs from cache"]))
     print(load.note())
 

@@ -21,6 +21,7 @@ from harness import (  # noqa: E402
     OtherLoad,
     emit,
     latte_profile,
+    machine,
     malloc_note,
     median_ms,
     run_worker,
@@ -29,8 +30,6 @@ from harness import (  # noqa: E402
     worker_env,
     worker_options,
 )
-from init_time import cpu_name  # noqa: E402
-from zoo import vector_width  # noqa: E402
 
 VOCAB, WIDTH, HIDDEN, BATCH, STEPS = 128, 128, 512, 32, 50
 GATES = {"lstm": 4, "gru": 3}
@@ -154,7 +153,7 @@ def main() -> None:
                     profiles.append((cell, threads, r["profile"]))
     print(f"Embedding {VOCAB}x{WIDTH} + 1-layer RNN (hidden {HIDDEN}) + linear, batch {BATCH}, "
           f"T = {STEPS}, one SGD step; median of {args.repeat} after {args.warmup} warm-up; "
-          f"{cpu_name()}, {os.cpu_count()} CPUs, {vector_width()}; {malloc_note(args)}")
+          f"{machine()}; {malloc_note(args)}")
     print(table(rows, ["cell", "threads", "latte ms", "torch ms", "latte GFLOP/s", "torch/latte"]))
     for cell, threads, profile in profiles:
         print(f"\nlatte {cell}, {threads} thread(s), per ensemble (ms per step):")

@@ -28,9 +28,16 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from harness import KEEP_FREED_MEMORY, OtherLoad, emit, median_ms, run_worker, table  # noqa: E402
-from init_time import cpu_name  # noqa: E402
-from zoo import torch_twin, vector_width  # noqa: E402
+from harness import (  # noqa: E402
+    KEEP_FREED_MEMORY,
+    OtherLoad,
+    emit,
+    machine,
+    median_ms,
+    run_worker,
+    table,
+)
+from zoo import torch_twin  # noqa: E402
 
 # this file is named onnx.py: off the path, so that ``import onnx`` finds the package
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
@@ -144,7 +151,7 @@ def main() -> None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"ONNX models at {args.size}x{args.size}, float32, inference; median of {args.repeat} "
-          f"after {args.warmup} warm-up; {cpu_name()}, {os.cpu_count()} CPUs, {vector_width()}")
+          f"after {args.warmup} warm-up; {machine()}")
     print(table(rows, ["model", "batch", "threads", "latte ms", "onnxruntime ms", "ort/latte",
                        "latte error", "latte compile s", "notes"]))
     print(load.note())

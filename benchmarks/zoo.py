@@ -20,11 +20,9 @@ one (warm), and is timed in that second run. Validate at small settings, e.g.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,8 +30,15 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import KEEP_FREED_MEMORY, OtherLoad, emit, median_ms, table  # noqa: E402
-from init_time import cpu_name  # noqa: E402
+from harness import (  # noqa: E402
+    KEEP_FREED_MEMORY,
+    OtherLoad,
+    emit,
+    machine,
+    median_ms,
+    run_worker,
+    table,
+)
 
 NETS = ("alexnet", "vgg16", "resnet18", "resnet50")
 FRAMEWORKS = ("latte", "torch", "torch-cl", "onnxruntime")
@@ -171,26 +176,11 @@ def worker(args) -> None:
 # ------------------------------------------------------------------ driver
 def run(args, framework: str, net: str, mode: str, threads: int, cache: str,
         compile_only: bool = False) -> dict | None:
-    cmd = [sys.executable, __file__, "--worker", framework, "--net", net, "--mode", mode,
-           "--threads", str(threads), "--size", str(args.size), "--repeat", str(args.repeat),
-           "--warmup", str(args.warmup)] + (["--compile-only"] if compile_only else [])
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), LATTE_CACHE_DIR=cache,
-               **({} if args.stock_malloc else KEEP_FREED_MEMORY))
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        print(f"[{framework} {net} {mode} x{threads} failed]\n{out.stderr[-2000:]}",
-              file=sys.stderr)
-        return None
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    return json.loads(lines[-1]) if lines else None
-
-
-def vector_width() -> str:
-    import llvmlite.binding as llvm  # noqa: PLC0415
-
-    features = llvm.get_host_cpu_features()
-    bits = 512 if features.get("avx512f") else 256 if features.get("avx") else 128
-    return f"{bits}-bit vectors ({llvm.get_host_cpu_name()})"
+    extra = ["--net", net, "--mode", mode, "--size", str(args.size), "--repeat",
+             str(args.repeat), "--warmup", str(args.warmup)]
+    env = dict(LATTE_CACHE_DIR=cache, **({} if args.stock_malloc else KEEP_FREED_MEMORY))
+    return run_worker(__file__, framework, threads,
+                      extra + (["--compile-only"] if compile_only else []), env)
 
 
 def main() -> None:
@@ -221,8 +211,8 @@ def main() -> None:
             for threads in args.threads:
                 rows += _rows(args, net, mode, threads, work)
     print(f"latte.zoo nets at {args.size}x{args.size}, {CLASSES} classes, float32; median of "
-          f"{args.repeat} after {args.warmup} warm-up; {cpu_name()}, {os.cpu_count()} CPUs, "
-          f"{vector_width()}; {'stock' if args.stock_malloc else 'warm'} malloc")
+          f"{args.repeat} after {args.warmup} warm-up; {machine()}; "
+          f"{'stock' if args.stock_malloc else 'warm'} malloc")
     print(table(rows, ["net", "mode (batch)", "threads", "framework", "ms", "GFLOP/s",
                        "other/latte", "peak MiB", "compile cold s", "compile warm s", "notes"]))
     print(load.note())
