@@ -49,13 +49,14 @@ class Mismatch:
                 f"{self.error:.3g} at {self.index} (scale {self.scale:.3g})")
 
 
-def _errors(got, want, tol: float) -> tuple[np.ndarray, float]:
-    """Per-entry errors, and the bound they must stay under (relative to ``want``'s scale)."""
+def _errors(got, want, tol: float) -> tuple[np.ndarray, float, float]:
+    """Per-entry errors, the bound they must stay under and ``want``'s scale (the bound is
+    relative to it)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     scale = max(float(np.abs(want).max()), 1e-2)
     err = np.abs(got - want)
     err[np.isnan(got) != np.isnan(want)] = np.inf
-    return np.nan_to_num(err, nan=0.0), tol * scale + ATOL
+    return np.nan_to_num(err, nan=0.0), tol * scale + ATOL, scale
 
 
 def _compare(out: list, what: str, name: str, got, want, tol: float, against: str,
@@ -68,8 +69,7 @@ def _compare(out: list, what: str, name: str, got, want, tol: float, against: st
         return
     if got.size == 0:
         return
-    err, bound = _errors(got, want, tol)
-    scale = max(float(np.abs(want).max()), 1e-2)
+    err, bound, scale = _errors(got, want, tol)
     if fragile is not None:
         err[fragile] = 0.0
     if err.max() > bound:
@@ -204,7 +204,7 @@ def _reference_step(out: list, refs: list, base: Net, feed: dict, labels: set, s
         want = getattr(ref, store)[name]
         fragile = np.zeros(np.shape(want), bool)
         for other in refs[1:]:
-            err, bound = _errors(getattr(other, store)[name], want, TOL_REFERENCE)
+            err, bound, _ = _errors(getattr(other, store)[name], want, TOL_REFERENCE)
             fragile |= err > bound
         _compare(out, f"step {step} {what}", name, got, want, TOL_REFERENCE, "reference", fragile)
         return fragile

@@ -12,7 +12,7 @@ with ``c<seed>_`` so a failing array names its case.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -67,7 +67,7 @@ def config(seed: int) -> Config:
     cfg = Config(int(rng.integers(1, 6)), int(rng.integers(1, 3)), int(rng.integers(1, 4)))
     steps = np.random.default_rng([seed, 6])   # a stream of its own: the rest stays as it was
     if steps.random() < 0.25:
-        return Config(cfg.batch, cfg.threads, cfg.level, int(steps.integers(2, 5)))
+        return replace(cfg, time_steps=int(steps.integers(2, 5)))
     return cfg
 
 
