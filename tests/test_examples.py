@@ -14,12 +14,15 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def _run_example(name: str, tmp_path) -> str:
-    """Run ``examples/<name>`` in a fresh interpreter; its stdout."""
+def _run_example(name: str, tmp_path, *args: str, latte_run: bool = False,
+                 timeout: float = 120) -> str:
+    """Run ``examples/<name> *args`` (through ``latte run`` if asked) in a fresh
+    interpreter; its stdout."""
     env = dict(os.environ)
     env.setdefault("LATTE_CACHE_DIR", str(tmp_path / "cache"))   # conftest sets a session one
-    result = subprocess.run([sys.executable, str(EXAMPLES / name)], env=env,
-                            capture_output=True, text=True, timeout=120)
+    runner = [sys.executable, "-m", "latte", "run"] if latte_run else [sys.executable]
+    result = subprocess.run([*runner, str(EXAMPLES / name), *args], env=env,
+                            capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr
     return result.stdout
 
@@ -56,13 +59,9 @@ def test_char_rnn(tmp_path):
     under the unigram entropy of the text, and samples a continuation. One thread: on a
     machine other processes keep busy, two threads waiting on each other at every time
     step run several times slower."""
-    env = dict(os.environ)
-    env.setdefault("LATTE_CACHE_DIR", str(tmp_path / "cache"))
-    result = subprocess.run([sys.executable, "-m", "latte", "run", str(EXAMPLES / "char_rnn.py"),
-                             "--max-epoch", "1", "--threads", "1"], env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr
-    entropy = float(re.search(r"unigram entropy of the text: ([0-9.]+)", result.stdout).group(1))
-    held_out = float(re.search(r"held-out loss: ([0-9.]+)", result.stdout).group(1))
+    stdout = _run_example("char_rnn.py", tmp_path, "--max-epoch", "1", "--threads", "1",
+                          latte_run=True, timeout=600)
+    entropy = float(re.search(r"unigram entropy of the text: ([0-9.]+)", stdout).group(1))
+    held_out = float(re.search(r"held-out loss: ([0-9.]+)", stdout).group(1))
     assert 3.0 < entropy < 3.5 and held_out < 0.65 * entropy   # 1.70 of 3.25 here
-    assert "sampled continuation" in result.stdout
+    assert "sampled continuation" in stdout
