@@ -57,6 +57,7 @@ def same_shape(pool: list, src) -> list:
 
 
 def pick(rng: np.random.Generator, items: list):
+    """One of ``items``, drawn from ``rng``."""
     return items[int(rng.integers(len(items)))]
 
 

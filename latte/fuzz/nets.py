@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from latte import ActivationEnsemble, Ensemble, add_connections
-from latte.fuzz.layers import LAYERS
+from latte.fuzz.layers import LAYERS, pick
 from latte.fuzz.neurons import ACTIVATIONS, activation_source, load_class, neuron_source
 from latte.lang import DataEnsemble, sources
 from latte.stdlib import (
@@ -204,7 +204,7 @@ def _copyable(ens) -> bool:
 def _neuron(rng, net, name: str, pool: list, derived: float, pending: list):
     """A generated neuron over sources from ``pool``; in a net with time steps, perhaps with
     a last input of its own shape whose (recurrent) source is chosen later (``pending``)."""
-    first = pool[int(rng.integers(len(pool)))]
+    first = pick(rng, pool)
     if _copyable(first) and rng.random() < 0.15:
         # LRN-like: one-to-one and a window across the first dimension of the same source
         shape, sources = first.shape, [first, first]
@@ -214,7 +214,7 @@ def _neuron(rng, net, name: str, pool: list, derived: float, pending: list):
         shape = first.shape if rng.random() < 0.5 and _copyable(first) else _shape(rng)
         sources = [first]
         for _ in range(int(rng.integers(0, 3))):
-            sources.append(first if rng.random() < 0.35 else pool[int(rng.integers(len(pool)))])
+            sources.append(first if rng.random() < 0.35 else pick(rng, pool))
         conns = [_connect(rng, net, s, shape) for s in sources]
         if net.time_steps > 1 and rng.random() < 0.6:
             conns.append(_connect(rng, net, _Shaped(shape), shape))
@@ -242,7 +242,7 @@ def _recur(rng, net, pending: list, ens: list, readers: dict) -> None:
     for sink, (entries, padding) in pending:
         later = [e for e in ens[ens.index(sink):] if e.shape == sink.shape
                  and not isinstance(e, DataEnsemble)]
-        src = later[int(rng.integers(len(later)))]
+        src = pick(rng, later)
         add_connections(net, src, sink, _mapping(entries), padding=padding, recurrent=True)
         readers[src.name] += 1
 
@@ -272,7 +272,7 @@ def _add_layers(rng, net, prefix: str, ens: list, readers: dict, sealed: set) ->
         choices = [(layer, e) for layer in LAYERS for e in pool if layer.fits(e)]
         if not choices:
             return
-        layer, src = choices[int(rng.integers(len(choices)))]
+        layer, src = pick(rng, choices)
         new = layer.build(rng, net, f"{prefix}x{i}{layer.name}", src, pool)
         for s in sources(net, new):   # a layer may add helpers (softmax's log-sum-exp)
             readers[s.name] = readers.get(s.name, 0) + 1
@@ -297,9 +297,6 @@ def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.
     sealed: set[str] = set()   # sources of in-place activations: nothing else may read them
     pending: list = []         # recurrent inputs whose source is chosen at the end
 
-    def pick(pool):
-        return pool[int(rng.integers(len(pool)))]
-
     for i in range(int(rng.integers(2, 5))):
         pool = [e for e in ens if e.name not in sealed]
         cubes = [e for e in pool if len(e.shape) == 3 and min(e.shape[1:]) >= 2]
@@ -313,7 +310,7 @@ def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.
             new = _neuron(rng, net, name, pool, derived, pending)
             srcs = [c.source for c in net.connections_into(new)]
         elif kind in ("act", "stdact"):
-            src = pick(free)
+            src = pick(rng, free)
             if kind == "act":
                 act = str(rng.choice(sorted(ACTIVATIONS)))
                 plan = activation_source(f"A{name}", act)
@@ -324,7 +321,7 @@ def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.
             srcs = [src]
             sealed.add(src.name)
         else:
-            src = pick(cubes if kind in ("conv", "maxpool", "meanpool") else pool)
+            src = pick(rng, cubes if kind in ("conv", "maxpool", "meanpool") else pool)
             new = _stdlib(rng, net, name, kind, src)
             srcs = [src]
         for s in srcs:
