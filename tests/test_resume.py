@@ -308,8 +308,9 @@ def _foreign_header(arrays):
 # ---------------------------------------------------------------- killed processes
 def test_sigkill_at_random_moments_leaves_a_whole_newest_snapshot(script, tmp_path):
     """20 runs of `latte run --resume` in one folder (a snapshot every iteration, two
-    kept), each killed after a random time: the newest snapshot always loads, and the
-    run it resumes from makes progress."""
+    kept), each killed at a random moment after it has written its first snapshot (so that
+    a slow start on a busy machine cannot leave every run without one): the newest snapshot
+    always loads, and each run resumes from where the last one was killed."""
     out = tmp_path / "run"
     rng = random.Random(7)
     environ = dict(os.environ, OUT=str(out), EVERY="1")
@@ -319,7 +320,10 @@ def test_sigkill_at_random_moments_leaves_a_whole_newest_snapshot(script, tmp_pa
         proc = subprocess.Popen([sys.executable, "-m", "latte", "run", str(script), "--resume",
                                  "--max-epoch", "1000"], env=environ,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(rng.uniform(0.3, 1.2))
+        before, deadline = newest_snapshot(out), time.monotonic() + 120
+        while newest_snapshot(out) == before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.3))   # between (or during) the following writes
         proc.send_signal(signal.SIGKILL)
         _, err = proc.communicate()
         assert proc.returncode == -signal.SIGKILL, err.decode()
