@@ -268,15 +268,22 @@ def _diff(got: np.ndarray, want: np.ndarray, floor: float = 0.0) -> float:
 
 
 def _grad_floor(ref: Net, owner: str, param) -> float:
-    """The smallest scale a parameter gradient is judged at: the float32 rounding of summing
-    the ensemble's gradient over the batch and the neurons that share one parameter row (a
-    bias before a batch norm has a zero gradient, and both levels return rounding noise),
-    over the tolerance."""
-    if not _has_grad(ref, ref.ensemble(owner)):
+    """The smallest scale a parameter gradient is judged at: its :func:`sum_rounding` over
+    the tolerance."""
+    return sum_rounding(ref, param) / CLOSE
+
+
+def sum_rounding(net: Net, param) -> float:
+    """How far float32 rounding may move an entry of ``param``'s gradient: it sums the
+    owner's gradient over the batch and the neurons that share one parameter row, so a
+    gradient that is exactly zero (a bias before a batch norm) comes out as that much
+    noise at any level."""
+    owner = net.ensemble(_owner(net, param.name))
+    if not _has_grad(net, owner):
         return 0.0
     rows = param.value.shape[0] if param.value.ndim else 1
-    total = float(np.abs(ref.grad(owner)).sum())
-    return ROUNDING * total / rows * float(np.finfo(np.float32).eps) / CLOSE
+    total = float(np.abs(net.grad(owner)).sum())
+    return ROUNDING * total / rows * float(np.finfo(np.float32).eps)
 
 
 def _worst(row: Row, column: str, err: float) -> None:

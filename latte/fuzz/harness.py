@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 
 from latte import Net, Phase
+from latte.check import sum_rounding
 from latte.fuzz.nets import Case, Config, build_case, case_of, config, normal
 from latte.lang import DataEnsemble, NormalizationEnsemble
 from latte.stdlib import DropoutEnsemble
@@ -60,8 +61,9 @@ def _errors(got, want, tol: float) -> tuple[np.ndarray, float, float]:
 
 
 def _compare(out: list, what: str, name: str, got, want, tol: float, against: str,
-             fragile: np.ndarray | None = None) -> None:
-    """Record a mismatch of ``got`` against ``want``, ignoring ``fragile`` entries."""
+             fragile: np.ndarray | None = None, floor: float = 0.0) -> None:
+    """Record a mismatch of ``got`` against ``want``, ignoring ``fragile`` entries and
+    errors under ``floor`` (the rounding of a parameter gradient's sum)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     if got.shape != want.shape:
         out.append(Mismatch(case_of(name), f"{what} {name} shape {got.shape} vs {want.shape}",
@@ -72,7 +74,7 @@ def _compare(out: list, what: str, name: str, got, want, tol: float, against: st
     err, bound, scale = _errors(got, want, tol)
     if fragile is not None:
         err[fragile] = 0.0
-    if err.max() > bound:
+    if err.max() > max(bound, floor):
         idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(err)), err.shape))
         out.append(Mismatch(case_of(name), f"{what} {name}", against, float(err.max()), scale, idx))
 
@@ -165,7 +167,8 @@ def _compare_nets(out, what: str, base: Net, opt: Net, tol: float, against: str)
         if not isinstance(e, DataEnsemble) or getattr(e, "needs_grad", False):
             _compare(out, f"{what} grad", e.name, opt.grad(e.name), base.grad(e), tol, against)
     for p, q in zip(base.params, opt.params):
-        _compare(out, f"{what} param grad", p.name, q.grad, p.grad, tol, against)
+        _compare(out, f"{what} param grad", p.name, q.grad, p.grad, tol, against,
+                 floor=sum_rounding(base, p))
 
 
 def _references(net: Net) -> list | None:
@@ -200,19 +203,21 @@ def _reference_step(out: list, refs: list, base: Net, feed: dict, labels: set, s
         ref.backward()
     ref = refs[0]
 
-    def check(what: str, name: str, got, store: str) -> np.ndarray:
+    def check(what: str, name: str, got, store: str, floor: float = 0.0) -> np.ndarray:
         want = getattr(ref, store)[name]
         fragile = np.zeros(np.shape(want), bool)
         for other in refs[1:]:
             err, bound, _ = _errors(getattr(other, store)[name], want, TOL_REFERENCE)
             fragile |= err > bound
-        _compare(out, f"step {step} {what}", name, got, want, TOL_REFERENCE, "reference", fragile)
+        _compare(out, f"step {step} {what}", name, got, want, TOL_REFERENCE, "reference", fragile,
+                 floor)
         return fragile
 
     for e in _computed(base):
         check("value", e.name, base.value(e), "values")
         check("grad", e.name, base.grad(e), "grads")
-    return {p.name: check("param grad", p.name, p.grad, "param_grads") for p in base.params}
+    return {p.name: check("param grad", p.name, p.grad, "param_grads", sum_rounding(base, p))
+            for p in base.params}
 
 
 def _reference_update(out: list, ref, base: Net, step: int, lr: float, fragile: dict) -> None:
