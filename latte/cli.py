@@ -24,12 +24,13 @@ import latte.solvers
 import latte.solvers.sgd
 from latte.check import check
 from latte.compiler.explain import explain_program
-from latte.errors import LatteError
+from latte.errors import DistributedError, LatteError
 from latte.export import export
 from latte.lang import Phase
 from latte.net import Net
 from latte.overrides import OVERRIDES
 from latte.runtime import distributed
+from latte.streams import outliving_readers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,21 +58,34 @@ def _act(args: argparse.Namespace, script: str) -> int:
         return 1
     except SystemExit as e:  # the script called sys.exit()
         return _exit_status(e)
+    except DistributedError as e:
+        if e.shared:   # every rank raised it alike: _on_every_rank reports it once
+            raise
+        return _fail(_describe(e, script), e)
     except Exception as e:
         return _fail(_describe(e, script), e)
 
 
 def _on_every_rank(args: argparse.Namespace, script: str) -> int:
     """Under ``mpiexec``: run as one rank; a failing rank names itself (see :func:`_fail`)
-    and takes the job down with ``Abort``, so no other rank hangs in a reduction."""
+    and takes the job down with ``Abort``, so no other rank hangs in a reduction. A rank
+    that succeeds says so and waits for the others, so that one still waiting for it in a
+    collective fails instead of hanging (:func:`distributed.watch_exits`)."""
     rank = distributed.rank()   # initializes MPI before the script runs
     # mpiexec names a killed rank by its PID only: say which PID is which rank
     where = distributed.comm().allgather(f"{rank}={os.getpid()}@{socket.gethostname()}")
     if rank == 0:
         print(f"latte: {len(where)} ranks (rank=pid@host): {' '.join(where)}", file=sys.stderr,
               flush=True)
-    status = _act(args, script)
-    if status != 0:
+    distributed.watch_exits()
+    try:
+        status = _act(args, script)
+    except DistributedError as e:   # every rank stops here alike: none needs stopping
+        distributed.unwatch()
+        return _fail(_describe(e, script), e, ranked=False) if rank == 0 else 1
+    if status == 0:
+        distributed.finish()
+    else:
         print(f"latte: rank {rank} exits with status {status}: stopping every rank",
               file=sys.stderr, flush=True)
         distributed.abort(status)
@@ -164,9 +178,10 @@ def _count(low: int) -> Callable[[str], int]:
 def _run(args: argparse.Namespace, script: str) -> int:
     profiler = _Profiler() if args.profile else None
     leader = distributed.rank() == 0   # under MPI only rank 0 prints progress
-    progress = _Progress(sys.stderr) if leader else _silent
     nets: list[Net] = []
     with contextlib.ExitStack() as stack:
+        stack.enter_context(outliving_readers())   # `latte run NET.py | head` trains on
+        progress = _Progress(sys.stderr) if leader else _silent
         stack.enter_context(_overrides(max_epoch=args.max_epoch, num_threads=args.threads,
                                        seed=args.seed, opt_level=args.opt_level,
                                        profile=args.profile or None, progress=progress,
@@ -448,11 +463,12 @@ def _describe(exc: BaseException, script: str) -> str:
     return message
 
 
-def _fail(message: str, exc: BaseException | None = None) -> int:
+def _fail(message: str, exc: BaseException | None = None, ranked: bool = True) -> int:
+    """Print ``message`` as one paragraph (naming this rank under MPI when ``ranked``)."""
     if exc is not None and os.environ.get("LATTE_TRACEBACK", "") not in ("", "0"):
         traceback.print_exception(exc)
     paragraph = re.sub(r"\s*\n\s*", " ", message.strip())
-    if distributed.active():
+    if distributed.active() and ranked:
         paragraph = f"rank {distributed.rank()} failed: {paragraph}"
     print(f"latte: error: {paragraph}", file=sys.stderr, flush=True)
     return 1

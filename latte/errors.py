@@ -54,3 +54,13 @@ class ModelImportError(LatteError, ValueError):
 class ExportError(LatteError, RuntimeError):
     """A net cannot be exported as a C library (``latte export``): its output needs an
     ensemble computed by Python code, or no C compiler is at hand."""
+
+
+class DistributedError(LatteError, RuntimeError):
+    """MPI ranks differ in what must be the same on every rank (the net, batch size, data
+    sizes, epochs, seed), or a rank finished while another waits for it. ``shared``: every
+    rank raised the same error."""
+
+    def __init__(self, message: str, shared: bool = False):
+        super().__init__(message)
+        self.shared = shared

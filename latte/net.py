@@ -114,6 +114,7 @@ class Net(Graph):
         self._before_forward = [(e, {name: self.field(e, name) for name in e.fields})
                                 for e in self.ensembles if isinstance(e, Ensemble)
                                 and type(e).before_forward is not Ensemble.before_forward]
+        distributed.agree(distributed.net_facts(self))   # before any parameter moves
         self.resync()   # every rank starts from rank 0's parameters
 
     def resync(self) -> None:

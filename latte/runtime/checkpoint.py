@@ -67,8 +67,7 @@ def save(net, path) -> None:
     :class:`~latte.errors.TrainingError`, writing nothing, when an array is not finite."""
     path = Path(os.path.abspath(path))
     mine = {name: g.bit_generator.state for name, g in generators(net).items()}
-    comm = distributed.comm()
-    ranks = comm.gather(mine, root=0) if comm is not None else [mine]
+    ranks = distributed.gather(mine)
     if distributed.rank() != 0:
         return
     arrays = _arrays(net)

@@ -109,6 +109,8 @@ def solve(solver: Solver, net, progress=None) -> History:
     net.init()
     net.compile_update(solver.rule)
     params = solver.params
+    distributed.agree({"epochs": params.max_epoch, "the solver": type(solver).__name__,
+                       "snapshot_every": params.snapshot_every})
     leader = distributed.rank() == 0   # under MPI only rank 0 logs and writes snapshots
     if params.snapshot_dir:
         snapshots.prepare(net, params.snapshot_dir, resume=params.resume,

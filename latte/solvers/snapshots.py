@@ -47,13 +47,11 @@ def prepare(net, directory, *, resume: bool, overwrite: bool) -> None:
     needs a folder without another run's snapshots and log, or ``overwrite`` (or ``resume``
     without a snapshot): they are deleted. Temporary files of interrupted snapshot writes
     are removed."""
-    comm = distributed.comm()
     found = [str(p) for p in snapshots(directory)]
     log = os.path.join(directory, LOG)
     if os.path.exists(log):
         found.append(log)
-    if comm is not None:   # every rank acts on what rank 0 saw (rank 0 deletes files below)
-        found = comm.bcast(found, root=0)
+    found = distributed.bcast(found)   # every rank acts on what rank 0 saw (rank 0 deletes)
     saved = [f for f in found if f.endswith(".npz")]
     if resume and not net.solver_state and saved:
         net.load(saved[-1])
