@@ -11,12 +11,15 @@ from helpers import assert_scaled_close, softmax_xent
 
 from latte import Ensemble, Net, Neuron, NormalizationEnsemble, Param, add_connections
 from latte.compiler import Segment, TimeSteps
+from latte.compiler.explain import explain_program
+from latte.compiler.ir import Gemm, accesses, walk
 from latte.errors import MappingError, ShapeError
 from latte.reference import Reference
 from latte.stdlib import (
     ArrayDataLayer,
     FullyConnectedLayer,
     MemoryDataLayer,
+    RNNLayer,
     SoftmaxLossLayer,
     TanhLayer,
 )
@@ -199,6 +202,30 @@ def test_only_the_recurrence_runs_step_by_step():
     assert "proj" in outside and "out" in outside
     assert [loop.reverse for loop in net.program.backward if isinstance(loop, TimeSteps)] == \
         [True, True]
+
+
+def test_recurrent_weight_gradients_are_one_gemm_after_the_loop():
+    """The recurrent projection's weight gradient reads h at t-1 and adds to no state the
+    loop reads: it runs once after the backward loop, one GEMM over steps 1..T-1 (bias:
+    all T steps); the input gradient stays in the loop."""
+    steps, batch, hidden = 6, 4, 32
+    net = Net(batch, time_steps=steps, opt_level=1, num_threads=1)
+    x = MemoryDataLayer(net, "x", (8,))
+    RNNLayer("rnn", net, x, hidden)
+    net.init()
+    backward = net.program.backward
+    i = next(i for i, s in enumerate(backward) if isinstance(s, TimeSteps))
+    after = [k for k in backward[i + 1].kernels if k.name == "rnn.hh.backward_params"]
+    assert after, [k.name for k in backward[i + 1].kernels]
+    (gemm,) = [n for n in walk(after[0].body) if isinstance(n, Gemm)]
+    assert (gemm.m, gemm.n, gemm.k) == (hidden, hidden, (steps - 1) * batch)
+    hh = next(e for e in net.ensembles if e.name == "rnn.hh")
+    grads = {net.program.buffers.field_grad(hh, f) for f in ("weights", "bias")}
+    written = {a.buffer for s in backward[i].steps for k in s.kernels
+               for a in accesses(k.body) if a.written}
+    assert not grads & written and "rnn.grad[t-1]" in {b.name for b in written}
+    assert "parameter gradients once after the backward loop, over all 24 items: rnn.hh" in \
+        explain_program(net.program)
 
 
 def test_element_wise_ensembles_of_a_step_run_as_one_loop():

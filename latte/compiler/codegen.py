@@ -20,6 +20,7 @@ import os
 
 from llvmlite import ir
 
+from latte.compiler import mathfn
 from latte.compiler.fingerprint import structure
 from latte.compiler.ir import (
     TID,
@@ -69,7 +70,6 @@ class ModuleBuilder:
         self.module = ir.Module(name=name)
         self.buffer_index = buffer_index
         self.threads = threads
-        self._decls: dict[str, ir.Function] = {}
         self._kernels = 0
         self._shared: dict[str, ir.Function] = {}   # kernel structure -> its function
         self.check_bounds = os.environ.get("LATTE_CHECK_BOUNDS", "") not in ("", "0")
@@ -91,10 +91,8 @@ class ModuleBuilder:
         return var.bitcast(I8P)
 
     def declare(self, name: str, ret, args) -> ir.Function:
-        fn = self._decls.get(name)
-        if fn is None:
-            fn = self._decls[name] = ir.Function(self.module, ir.FunctionType(ret, args), name)
-        return fn
+        fn = self.module.globals.get(name)
+        return fn if fn is not None else ir.Function(self.module, ir.FunctionType(ret, args), name)
 
     def add_segment(self, name: str, kernels: list[Kernel]) -> str:
         """An exported ``void name(ptr* buffers)`` that runs ``kernels`` in order."""
@@ -462,8 +460,9 @@ class _KernelEmitter:
             return out
         if isinstance(e, Call):
             args = [self.to_float(self.expr(a)) for a in e.args]
-            name = {"exp": "llvm.exp.f32", "log": "llvm.log.f32", "sqrt": "llvm.sqrt.f32",
-                    "abs": "llvm.fabs.f32", "tanh": "llvm.tanh.f32"}[e.fn]
+            if e.fn in ("exp", "tanh"):
+                return b.call(mathfn.function(self.mb.module, e.fn), args)
+            name = {"log": "llvm.log.f32", "sqrt": "llvm.sqrt.f32", "abs": "llvm.fabs.f32"}[e.fn]
             return b.call(self.intrinsic(name, 1), args, fastmath=FAST)
         if isinstance(e, Select):
             return self.select(e)

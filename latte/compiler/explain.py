@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from latte.compiler import HostStep, Segment, TimeSteps
+from latte.compiler.program import AFTER_LOOP
 from latte.compiler.autodiff import derived_backward, format_neuron
 from latte.compiler.fusion import planner_chain
 from latte.compiler.ir import Gemm, accesses, walk
@@ -118,6 +119,10 @@ def _time(program) -> list[str]:
                f"{', '.join(once) or 'none'}")
     for phase, names in program.fused_steps:
         out.append(f"  one loop over a step's items ({phase}): {' + '.join(names)}")
+    after = [p.ensemble.name for p in program.plans if AFTER_LOOP in p.kernels]
+    if after:
+        out.append(f"  parameter gradients once after the backward loop, over all "
+                   f"{bufs.batch_size} items: {', '.join(after)}")
     return out
 
 

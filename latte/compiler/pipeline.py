@@ -45,7 +45,8 @@ from latte.compiler.passes import (
     tile_loops,
 )
 from latte.compiler.printer import format_ir
-from latte.compiler.program import EnsemblePlan, Program, Segment
+from latte.compiler.passes.time_hoist import hoist_param_grads
+from latte.compiler.program import AFTER_LOOP, EnsemblePlan, Program, Segment
 from latte.compiler.step_fusion import fuse_steps
 from latte.compiler.synthesis import synthesize
 from latte.compiler.verify import verify_kernel
@@ -111,6 +112,20 @@ def _synthesize(c: Compilation) -> None:
         for phase in PHASES:
             plan.kernels[phase] = synthesize(plan.ensemble, phase, plan.accesses, bufs)
     c.dead |= {v for v in c.bufs.views if c.bufs.base(v) in c.dead}
+
+
+def _hoist_param_grads(c: Compilation) -> None:
+    """A time loop's parameter gradient nests: once after the loop, over every step's rows
+    (kernel ``"after_loop"``)."""
+    for plan in c.plans:
+        ens = plan.ensemble
+        if ens in c.stepped and ens.params:
+            grads = frozenset(c.bufs.field_grad(ens, f.name) for f in ens.params)
+            kept, hoisted = hoist_param_grads(plan.kernels["backward"], grads,
+                                              frozenset({c.bufs.grad(ens)}), c.bufs.views,
+                                              c.bufs.time_steps)
+            if hoisted.body.stmts:
+                plan.kernels["backward"], plan.kernels[AFTER_LOOP] = kept, hoisted
 
 
 def _plan_fusion(c: Compilation) -> None:
@@ -208,6 +223,8 @@ STEPS = (
     Step("prune_dead_gradients", 0, lambda c, k: prune_dead_gradients(k, c.dead)),
     # neuron bodies split into perfect nests
     Step("distribute_loops", 1, lambda c, k: distribute_loops(k)),
+    # a time loop's parameter gradients: one nest over all steps, after the loop
+    Step("hoist_param_grads", 1, _hoist_param_grads, per_kernel=False),
     Step("plan_fusion", 3, _plan_fusion, per_kernel=False),
     Step("first_touch", 1, _first_touch, per_kernel=False),
     # row-plane tiles sized to the cache budget (or to the fused group's)

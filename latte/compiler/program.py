@@ -39,6 +39,10 @@ class TimeSteps:
     ensembles: tuple = ()   # the loop's ensembles, in run order
 
 
+# the plan kernel of a time loop's ensemble that runs once after its backward loop
+AFTER_LOOP = "after_loop"
+
+
 def flat_steps(steps) -> list:
     """``steps`` with each :class:`TimeSteps` replaced by the steps it runs."""
     out = []

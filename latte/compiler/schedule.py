@@ -7,7 +7,7 @@ from __future__ import annotations
 from latte.compiler.buffers import BufferPlan, storage_owner
 from latte.compiler.ir import Block, Kernel, accesses
 from latte.compiler.passes import drop_stores, localize
-from latte.compiler.program import HostStep, Segment, TimeSteps
+from latte.compiler.program import AFTER_LOOP, HostStep, Segment, TimeSteps
 from latte.compiler.synthesis import zero_loop
 from latte.errors import CompileError
 from latte.lang import ActivationEnsemble, Ensemble, NormalizationEnsemble, Phase
@@ -36,6 +36,12 @@ def phase_steps(ensembles, by_ens, phase: str, prefix: str, split: bool = False,
                 inner = phase_steps(members, by_ens, phase, f"{prefix}{len(steps)}t", split)
                 steps.append(TimeSteps(f"{prefix}{len(steps)}", tuple(inner),
                                        phase == "backward", _views(inner, bufs), tuple(members)))
+                if phase == "backward":   # parameter gradients over all steps
+                    for e in members:
+                        if AFTER_LOOP in getattr(by_ens.get(e), "kernels", {}):
+                            run.append(by_ens[e].kernels[AFTER_LOOP])
+                            if split:
+                                flush()
         elif ens in by_ens:
             kernel = by_ens[ens].kernels[phase]
             if kernel.body.stmts:
