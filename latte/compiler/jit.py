@@ -53,7 +53,7 @@ class Target:
     def _register_symbols():
         llvm.add_symbol("scipy_cblas_sgemm", ctypes.cast(blas().scipy_cblas_sgemm, ctypes.c_void_p).value)
         libm = ctypes.CDLL(ctypes.util.find_library("m"))
-        for name in ("expf", "logf", "tanhf", "sqrtf", "floorf"):
+        for name in ("logf", "sqrtf", "floorf"):
             llvm.add_symbol(name, ctypes.cast(getattr(libm, name), ctypes.c_void_p).value)
         gomp = openmp()
         for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads") if gomp else ():
