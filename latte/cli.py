@@ -1,6 +1,7 @@
 """The ``latte`` command: ``latte run NET.py`` trains a net script, ``latte explain NET.py``
 prints the compiler's plan for it, ``latte check NET.py`` checks its compiled code, ``latte
-export NET.py -o DIR`` writes a C library for inference with it."""
+export NET.py -o DIR`` writes a C library for inference with it, ``latte plot LOG.csv``
+draws a run's training curves."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from latte.export import export
 from latte.lang import Phase
 from latte.net import Net
 from latte.overrides import OVERRIDES
+from latte.plot import plot
 from latte.runtime import distributed
 from latte.streams import outliving_readers
 
@@ -39,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as e:  # --help, --version or a usage error (status 2)
         return _exit_status(e)
+    if args.command == "plot":
+        return _act(args, args.log)
     script = os.path.abspath(args.script)
     if not os.path.isfile(script):
         return _fail(f"can't open script {args.script!r}: no such file")
@@ -156,6 +160,16 @@ def _parser() -> argparse.ArgumentParser:
                         help="threads the library runs on")
     _add_opt_level(export)
     export.set_defaults(action=_export)
+
+    plot = commands.add_parser("plot", help="draw a run's training curves from its log.csv",
+                               description="Draw the training loss per iteration (from the "
+                                           "iterations.csv beside the log, when there is one), "
+                                           "the test loss and the test accuracy per epoch "
+                                           "into a PNG. Needs matplotlib.")
+    plot.add_argument("log", metavar="LOG.csv", help="a log.csv that latte run wrote")
+    plot.add_argument("-o", "--output", metavar="PNG",
+                      help="the image to write (default: curves.png beside the log)")
+    plot.set_defaults(action=_plot)
     return parser
 
 
@@ -186,7 +200,7 @@ def _run(args: argparse.Namespace, script: str) -> int:
                                        seed=args.seed, opt_level=args.opt_level,
                                        profile=args.profile or None, progress=progress,
                                        resume=args.resume or None,
-                                       overwrite=args.overwrite or None))
+                                       overwrite=args.overwrite or None, plot=True))
         if leader:
             stack.callback(progress.close)
         if profiler:
@@ -371,6 +385,12 @@ def _export(args: argparse.Namespace, script: str) -> int:
     written = export(nets[0], args.output, snapshot=args.snapshot,
                      origin=os.path.basename(script))
     print("wrote " + ", ".join(map(str, written)))
+    return 0
+
+
+# ---------------------------------------------------------------- latte plot
+def _plot(args: argparse.Namespace, log: str) -> int:
+    print(f"wrote {plot(log, args.output)}")
     return 0
 
 

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import csv
-import io
 import math
-import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from latte.compiler.cache import write_atomic
 from latte.errors import TrainingError
 from latte.lang import NormalizationEnsemble, Phase
 from latte.overrides import pick
+from latte.plot import draw_beside
 from latte.runtime import distributed
+from latte.solvers import log as logs
 from latte.solvers import snapshots
 from latte.solvers.algorithms import Solver
 from latte.solvers.policies import LRPolicy, MomPolicy
@@ -29,7 +26,8 @@ class SolverParameters:
     snapshots go. ``clip_gradients=c`` scales all gradients together so that their global
     L2 norm is at most ``c`` (torch's ``clip_grad_norm_``), before the L2 term.
 
-    In ``snapshot_dir``, :func:`solve` writes ``log.csv`` and a snapshot
+    In ``snapshot_dir``, :func:`solve` writes ``log.csv`` and ``iterations.csv`` (see
+    :mod:`latte.solvers.log`; under ``latte run`` also ``curves.png``) and a snapshot
     ``snapshot_<iteration>.npz`` every ``snapshot_every`` iterations (None: after each
     epoch's test pass) and after the last epoch, keeping the newest ``keep_snapshots``.
     ``resume`` (``latte run --resume``) continues from the newest snapshot there; a new run
@@ -121,12 +119,13 @@ def solve(solver: Solver, net, progress=None) -> History:
     it = int(net.solver_state.get("iteration", 0))
     start_epoch = int(net.solver_state.get("epoch", 0))
     start_batch = int(net.solver_state.get("batch", 0))   # a snapshot taken inside an epoch
-    log = _Log(params.snapshot_dir if leader else None, it)
+    log = logs.Log(params.snapshot_dir if leader else None, it)
     every = params.snapshot_every
 
     def snapshot(state: dict) -> None:
         net.solver_state = state
         if params.snapshot_dir:
+            log.flush()
             snapshots.write(net, params.snapshot_dir, it, params.keep_snapshots)
 
     for epoch in range(start_epoch, params.max_epoch):
@@ -146,6 +145,7 @@ def solve(solver: Solver, net, progress=None) -> History:
                                     "clip the gradients or check the data")
             history.train_loss.append(loss)
             it += 1
+            log.iteration(it, epoch, loss)
             if every and it % every == 0 and batch + 1 < iters:
                 snapshot({"iteration": it, "epoch": epoch, "batch": batch + 1})
             if progress:
@@ -158,7 +158,8 @@ def solve(solver: Solver, net, progress=None) -> History:
             history.test_accuracy.append(acc)
         if test_loss is not None:
             history.test_loss.append(test_loss)
-        log.epoch(epoch, it, history, acc, test_loss)
+        log.epoch(epoch, it, history.train_loss[-1] if history.train_loss else None, test_loss,
+                  acc)
         if not every or it % every == 0 or epoch + 1 == params.max_epoch:
             snapshot({"iteration": it, "epoch": epoch + 1})
         else:
@@ -166,32 +167,7 @@ def solve(solver: Solver, net, progress=None) -> History:
         if progress:
             progress("epoch", epoch=epoch, accuracy=acc, test_loss=test_loss,
                      train_loss=history.train_loss[-1] if history.train_loss else None)
+    if log.path and pick("plot", False):   # latte run draws the curves
+        draw_beside(log.path)
     return history
 
-
-class _Log:
-    """``log.csv`` in the snapshot dir: one row per epoch. A run resumed at iteration
-    ``start`` keeps the rows up to it (the rows after were written past the snapshot)."""
-
-    COLUMNS = ["epoch", "iteration", "train_loss", "test_loss", "test_accuracy"]
-
-    def __init__(self, directory: str | None, start: int = 0):
-        self.path = os.path.join(directory, snapshots.LOG) if directory else None
-        if self.path:
-            os.makedirs(directory, exist_ok=True)
-            rows = []
-            if os.path.exists(self.path):
-                with open(self.path, newline="") as f:
-                    rows = [r for r in csv.reader(f) if len(r) == len(self.COLUMNS)
-                            and r[1].isdigit() and int(r[1]) <= start]   # not the header
-            text = io.StringIO()
-            csv.writer(text).writerows([self.COLUMNS, *rows])
-            write_atomic(Path(self.path), text.getvalue().encode())
-
-    def epoch(self, epoch, it, history, acc, test_loss):
-        if not self.path:
-            return
-        train = history.train_loss[-1] if history.train_loss else ""
-        with open(self.path, "a", newline="") as f:
-            csv.writer(f).writerow([epoch, it, train, "" if test_loss is None else test_loss,
-                                    "" if acc is None else acc])
