@@ -16,9 +16,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any, TextIO
-
-from tqdm import tqdm
+from typing import Any
 
 import latte
 import latte.solvers
@@ -27,10 +25,10 @@ from latte.check import check
 from latte.compiler.explain import explain_program
 from latte.errors import DistributedError, LatteError
 from latte.export import export
-from latte.lang import Phase
 from latte.net import Net
 from latte.overrides import OVERRIDES
 from latte.plot import plot
+from latte.progress import PhaseProfiler, Progress, patched, silent
 from latte.runtime import distributed
 from latte.streams import outliving_readers
 
@@ -190,12 +188,12 @@ def _count(low: int) -> Callable[[str], int]:
 
 # ---------------------------------------------------------------- latte run
 def _run(args: argparse.Namespace, script: str) -> int:
-    profiler = _Profiler() if args.profile else None
+    profiler = PhaseProfiler() if args.profile else None
     leader = distributed.rank() == 0   # under MPI only rank 0 prints progress
     nets: list[Net] = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(outliving_readers())   # `latte run NET.py | head` trains on
-        progress = _Progress(sys.stderr) if leader else _silent
+        progress = Progress(sys.stderr) if leader else silent
         stack.enter_context(_overrides(max_epoch=args.max_epoch, num_threads=args.threads,
                                        seed=args.seed, opt_level=args.opt_level,
                                        profile=args.profile or None, progress=progress,
@@ -219,122 +217,6 @@ def _run(args: argparse.Namespace, script: str) -> int:
                       file=sys.stderr)
             print(net.profile.format(), file=sys.stderr)
     return 0
-
-
-def _silent(event: str, **info: Any) -> None:
-    """The progress callback of ranks other than 0."""
-
-
-class _Progress:
-    """``solve``'s progress callback: a tqdm bar per epoch on ``stream`` (when it is a
-    terminal), then one summary line per epoch."""
-
-    def __init__(self, stream: TextIO):
-        self.stream = stream
-        self.bar: tqdm | None = None
-        self.total: int | None = None      # iterations per epoch, once an epoch has run
-        self.last_epoch = -1
-        self.count = self.images = 0
-        self.start = 0.0
-        self.rate: float | None = None
-
-    def __call__(self, event: str, **info: Any) -> None:
-        if event == "iteration":
-            self._iteration(**info)
-        elif event == "epoch":
-            self._epoch(**info)
-
-    def _iteration(self, epoch: int, loss: float, images: int, iterations: int | None = None,
-                   **_: Any) -> None:
-        if self.bar is None:
-            if epoch <= self.last_epoch:  # another solve() started
-                self.total = None
-            self.bar = tqdm(total=iterations or self.total, desc=f"epoch {epoch + 1}",
-                            unit="it", file=self.stream, leave=False, disable=None,
-                            dynamic_ncols=True)
-            self.count = self.images = 0
-            self.start = time.perf_counter()
-        self.count += 1
-        self.images += images
-        self.rate = self.images / max(time.perf_counter() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"loss {loss:.4f}, {self.rate:,.0f} img/s", refresh=False)
-        self.bar.update()
-
-    def _epoch(self, epoch: int, accuracy: float | None = None, test_loss: float | None = None,
-               train_loss: float | None = None, **_: Any) -> None:
-        self.close()
-        self.total, self.last_epoch = self.count or self.total, epoch
-        parts = [f"train loss {train_loss:.4f}" if train_loss is not None else None,
-                 f"test loss {test_loss:.4f}" if test_loss is not None else None,
-                 f"test accuracy {accuracy:.2%}" if accuracy is not None else None,
-                 f"{self.rate:,.0f} img/s" if self.rate is not None else None]
-        print(f"epoch {epoch + 1}: " + ", ".join(p for p in parts if p), file=self.stream,
-              flush=True)
-        self.count, self.rate = 0, None
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
-class _Profiler:
-    """``--profile``: exclusive wall time in ``Net.init``/``forward``/``backward``/``update``
-    (the per-ensemble table comes from each net's own :class:`~latte.runtime.profile.Profile`,
-    which the ``profile`` override switches on)."""
-
-    PHASES = ("compile", "forward (train, incl. data)", "backward", "update",
-              "forward (test, incl. data)")
-
-    def __init__(self):
-        self.seconds = dict.fromkeys(self.PHASES, 0.0)
-        self.calls = dict.fromkeys(self.PHASES, 0)
-        self._nested: list[float] = []   # time spent in timed calls inside each open call
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        def compile_phase(net: Net) -> str | None:
-            return "compile" if net.program is None else None
-
-        def forward_phase(net: Net, phase: Phase = Phase.TRAIN) -> str:
-            return self.PHASES[4] if phase is Phase.TEST else self.PHASES[1]
-
-        with contextlib.ExitStack() as stack:
-            for name, phase in (("init", compile_phase), ("forward", forward_phase),
-                                ("backward", lambda net: "backward"),
-                                ("update", lambda net, *a, **k: "update"),
-                                ("compile_update", lambda net, *a, **k: "compile")):
-                stack.enter_context(_patched(Net, name, self._timed(getattr(Net, name), phase)))
-            yield
-
-    def _timed(self, method: Callable, phase: Callable[..., str | None]) -> Callable:
-        @functools.wraps(method)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            key = phase(*args, **kwargs)
-            self._nested.append(0.0)
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                elapsed = time.perf_counter() - start
-                nested = self._nested.pop()
-                if self._nested:
-                    self._nested[-1] += elapsed
-                if key is not None:
-                    self.seconds[key] += elapsed - nested
-                    self.calls[key] += 1
-        return timed
-
-    def report(self, total: float, stream: TextIO) -> None:
-        rows = [(p, str(self.calls[p]), self.seconds[p]) for p in self.PHASES if self.calls[p]]
-        rows.append(("rest of the script", "-", max(total - sum(self.seconds.values()), 0.0)))
-        print(f"profile: {total * 1e3:,.1f} ms in the script (wall time)", file=stream)
-        print(f"  {'phase':<28} {'calls':>7} {'total ms':>11} {'ms/call':>9} {'share':>7}",
-              file=stream)
-        for name, calls, seconds in rows:
-            per_call = f"{seconds * 1e3 / int(calls):.3f}" if calls != "-" else "-"
-            print(f"  {name:<28} {calls:>7} {seconds * 1e3:>11,.1f} {per_call:>9} "
-                  f"{seconds / total if total else 0.0:>7.1%}", file=stream)
 
 
 # ---------------------------------------------------------------- latte explain
@@ -411,8 +293,8 @@ def _built_nets(script: str, what: str, **overrides: Any) -> list[Net]:
         stack.enter_context(_overrides(**overrides))
         stack.enter_context(_tracking(nets))
         for owner in (latte.solvers, latte.solvers.sgd):
-            stack.enter_context(_patched(owner, "solve", stop))
-        stack.enter_context(_patched(Net, "forward", stop))
+            stack.enter_context(patched(owner, "solve", stop))
+        stack.enter_context(patched(Net, "forward", stop))
         try:
             _run_script(script)
         except _Built:
@@ -433,7 +315,7 @@ def _tracking(nets: list[Net]) -> Iterator[None]:
         if self not in nets:
             nets.append(self)
 
-    with _patched(Net, "__init__", init):
+    with patched(Net, "__init__", init):
         yield
 
 
@@ -459,16 +341,6 @@ def _overrides(**values: Any) -> Iterator[None]:
     finally:
         OVERRIDES.clear()
         OVERRIDES.update(saved)
-
-
-@contextlib.contextmanager
-def _patched(owner: object, name: str, value: object) -> Iterator[None]:
-    original = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, original)
 
 
 def _describe(exc: BaseException, script: str) -> str:

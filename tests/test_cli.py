@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from latte.cli import _Progress
+from latte.progress import Progress
 
 MLP = """
 import numpy as np
@@ -254,7 +254,7 @@ def test_progress_bar_and_epoch_line():
             return True
 
     term = Terminal()
-    progress = _Progress(term)
+    progress = Progress(term)
     for epoch in range(2):
         for it in range(3):
             progress("iteration", epoch=epoch, iteration=it, loss=0.5, images=16)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from latte.compiler import HostStep, Segment, TimeSteps
-from latte.compiler.program import AFTER_LOOP
 from latte.compiler.autodiff import derived_backward, format_neuron
 from latte.compiler.fusion import planner_chain
 from latte.compiler.ir import Gemm, accesses, walk
 from latte.compiler.passes.tiling import FLOAT_BYTES
 from latte.compiler.planner import brainslug, occam
 from latte.compiler.printer import fmt_stmt, format_ir
+from latte.compiler.program import AFTER_LOOP
 from latte.compiler.synthesis import neuron_info
 from latte.lang import Phase, defines_backward
 
