@@ -44,8 +44,8 @@ from latte.compiler.passes import (
     prune_dead_gradients,
     tile_loops,
 )
-from latte.compiler.printer import format_ir
 from latte.compiler.passes.time_hoist import hoist_param_grads
+from latte.compiler.printer import format_ir
 from latte.compiler.program import AFTER_LOOP, EnsemblePlan, Program, Segment
 from latte.compiler.step_fusion import fuse_steps
 from latte.compiler.synthesis import synthesize
