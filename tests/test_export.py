@@ -18,7 +18,15 @@ from latte.cli import main
 from latte.errors import ExportError
 from latte.export import export
 from latte.lang import NormalizationEnsemble
-from latte.stdlib import ConvolutionLayer, DropoutLayer, FullyConnectedLayer, MemoryDataLayer, ReLULayer
+from latte.stdlib import (
+    ConvolutionLayer,
+    DropoutLayer,
+    FullyConnectedLayer,
+    GRULayer,
+    LSTMLayer,
+    MemoryDataLayer,
+    ReLULayer,
+)
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
 
@@ -150,6 +158,24 @@ def test_exported_library_predicts_as_the_net(tmp_path, program, layers, shape, 
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * scale)
     if threads == 1:
         np.testing.assert_array_equal(got, expected)   # the same object code, in order
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_recurrent_net_runs_its_time_loop_in_c(tmp_path, program, threads):
+    """An LSTM under a GRU, T = 5: the driver steps the loop's views as the runtime does
+    (the step before step 0 reads zeros); 7 sequences are a batch of 4 and a padded one."""
+    steps = 5
+    net = Net(4, time_steps=steps, num_threads=threads, seed=2)
+    data = MemoryDataLayer(net, "data", (3,))
+    FullyConnectedLayer("out", net, GRULayer("gru", net, LSTMLayer("lstm", net, data, 6), 5), 2)
+    model = tmp_path / "model"
+    export(net, model)
+    x = np.random.default_rng(3).standard_normal((7, steps, 3)).astype(np.float32)
+    expected = net.predict(x).reshape(7, -1)
+    got = _predict_in_c(program, model, x.reshape(7, -1), steps * 2)
+    if threads == 1:
+        np.testing.assert_array_equal(got, expected)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
 def test_bad_arguments_return_nonzero(tmp_path, program):

@@ -7,7 +7,7 @@ a time, padding the last batch with zeros and copying samples in and out as
 
 from __future__ import annotations
 
-from latte.export.image import ModelImage, Samples
+from latte.export.image import ModelImage, Samples, StepLoop
 
 HEADER = "latte_model.h"
 
@@ -47,7 +47,8 @@ def driver(image: ModelImage, blob_path: str, blas: bool) -> str:
     """The driver's C source; ``blob_path`` is the file of constants to embed, ``blas``
     whether the object calls OpenBLAS (whose thread count the driver then sets)."""
     segments = "".join(f"extern void {name}(void **);\n" for name in image.segments)
-    calls = ", ".join(image.segments) or "0"
+    views = [v for step in image.program if isinstance(step, StepLoop) for v in step.views]
+    before = "".join(f"    before[{i}] = table[{v[0]}];\n" for i, v in enumerate(views))
     slots = ",\n".join(f"    {{{s.index}, {s.arena_offset}, {s.nbytes}, "
                        f"{-1 if s.blob_offset is None else s.blob_offset}}}  /* {_comment(s.name)} */"
                        for s in image.slots)
@@ -74,9 +75,6 @@ __asm__(".section .rodata\\n"
 extern const unsigned char latte_model_blob[] __attribute__((visibility("hidden")));
 
 {segments}{"extern void scipy_openblas_set_num_threads(int);" if blas else ""}
-typedef void (*segment_fn)(void **);
-static const segment_fn segments[] = {{{calls}}};
-static const int n_segments = {len(image.segments)};
 
 /* per buffer: table slot, arena offset, bytes, blob offset (-1: starts as zeros) */
 static const struct {{ long slot, offset, nbytes, blob; }} slots[] = {{
@@ -85,6 +83,7 @@ static const struct {{ long slot, offset, nbytes, blob; }} slots[] = {{
 static const int n_slots = {len(image.slots)};
 
 static void **table;
+static void *before[{max(len(views), 1)}];   /* each step view's own zeros: step -1 */
 static int status = 2;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -101,9 +100,14 @@ static void setup(void)
         if (slots[i].blob >= 0)
             memcpy(arena + slots[i].offset, latte_model_blob + slots[i].blob, slots[i].nbytes);
     }}
-    {f"scipy_openblas_set_num_threads({image.blas_threads});" if blas else ""}
+{before}    {f"scipy_openblas_set_num_threads({image.blas_threads});" if blas else ""}
     status = 0;
 }}
+
+/* one batch: the test program's segments, time loops stepping their views */
+static void run(void **table)
+{{
+{_program(image.program)}}}
 
 API long latte_model_input_size(void) {{ return IN_OUTER * IN_INNER; }}
 API long latte_model_output_size(void) {{ return OUT_OUTER * OUT_INNER; }}
@@ -127,8 +131,7 @@ API int latte_model_predict(const float *input, int n, float *output)
                 else
                     memset(run, 0, 4 * IN_INNER);
             }}
-        for (int s = 0; s < n_segments; s++)
-            segments[s](table);
+        run(table);
         for (long b = 0; b < count; b++)
             for (long t = 0; t < OUT_OUTER; t++) {{
                 float *run = out + t * OUT_OUTER_STRIDE + b * OUT_BATCH_STRIDE;
@@ -139,6 +142,22 @@ API int latte_model_predict(const float *input, int n, float *output)
     return 0;
 }}
 """
+
+
+def _program(program: tuple) -> str:
+    """The C statements running ``program`` (see :class:`ModelImage`)."""
+    lines, view = [], 0
+    for step in program:
+        if not isinstance(step, StepLoop):
+            lines.append(f"    {step}(table);")
+            continue
+        lines.append(f"    for (long t = 0; t < {step.steps}; t++) {{")
+        for slot, base, row, shift in step.views:
+            lines.append(f"        table[{slot}] = t + {shift} >= 0 ? (char *)table[{base}] + "
+                         f"(t + {shift}) * {row}L : before[{view}];")
+            view += 1
+        lines += [f"        {name}(table);" for name in step.segments] + ["    }"]
+    return "".join(line + "\n" for line in lines)
 
 
 def _defines(prefix: str, s: Samples) -> str:

@@ -6,7 +6,9 @@ prepares it for inference as ``net.predict`` does: the ensembles that prepare fi
 test phase (dropout's all-ones mask) do so, and the host steps that do not read their
 inputs in ``Phase.TEST`` (a batch norm's running statistics) run once, here; their results
 become constants of the image. Any other host step the output needs would have to run in
-Python: that is an :class:`~latte.errors.ExportError` naming the ensemble.
+Python: that is an :class:`~latte.errors.ExportError` naming the ensemble. A time loop
+becomes a loop of the C driver, which points the step views at each step's rows as the
+runtime's executor does.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from latte.compiler import HostStep, Segment
+from latte.compiler import HostStep, Segment, TimeSteps, flat_steps
 from latte.compiler.ir import Buffer, accesses
 from latte.compiler.jit import target
 from latte.compiler.pipeline import llvm_ir
@@ -55,12 +57,25 @@ class Samples:
 
 
 @dataclass(frozen=True)
+class StepLoop:
+    """A time loop of the test forward: its ``segments`` once per step t = 0..steps-1,
+    after pointing each view (table slot, its buffer's slot, bytes per step, shift) at the
+    rows of step t + shift of its buffer, or at its own zeros before step 0."""
+
+    steps: int
+    segments: tuple[str, ...]
+    views: tuple[tuple[int, int, int, int], ...]
+
+
+@dataclass(frozen=True)
 class ModelImage:
     """Everything the C driver needs: ``object_code`` defines ``segments`` (each
-    ``void seg(void **table)``), run in order per batch of ``batch_size`` items."""
+    ``void seg(void **table)``); ``program`` runs them per batch of ``batch_size`` items,
+    in order: a segment's name, or a :class:`StepLoop`."""
 
     object_code: bytes
     segments: tuple[str, ...]
+    program: tuple
     slots: tuple[Slot, ...]
     table_size: int
     arena_bytes: int
@@ -79,16 +94,13 @@ def model_image(net) -> ModelImage:
     plan: PredictPlan = _plan(net, None)
     program, memory = net.program, net._memory
     bufs = program.buffers
-    for step in plan.steps:
-        if not isinstance(step, (Segment, HostStep)):   # a loop over time steps
-            raise ExportError(f"cannot export: the test program runs {type(step).__name__} "
-                              f"{getattr(step, 'name', '')!r}, which the C driver does not run "
-                              "(recurrent nets are not exported yet)")
     _prepare(net, plan)
-    segments = [s for s in plan.steps if isinstance(s, Segment)]
+    segments = [s for s in flat_steps(plan.steps) if isinstance(s, Segment)]
     constant = {bufs.value(s.ensemble) for s in plan.steps if isinstance(s, HostStep)}
     index = {b: i for i, b in enumerate(bufs.buffers.values())}
+    loops = [s for s in plan.steps if isinstance(s, TimeSteps)]
     used = sorted({a.buffer for s in segments for k in s.kernels for a in accesses(k.body)}
+                  | {base for loop in loops for _, base, _ in loop.views}
                   | {bufs.value(plan.input), bufs.value(plan.output)}, key=index.__getitem__)
     slots, blob, arena = [], bytearray(), 0
     for buf in used:
@@ -103,10 +115,25 @@ def model_image(net) -> ModelImage:
     threads = bufs.threads
     obj = target().object_code(program.library,
                                lambda: llvm_ir(program.segments(), index, threads))
-    return ModelImage(obj, tuple(s.name for s in segments), tuple(slots), len(index), arena,
+    order = tuple(_loop(s, bufs.time_steps, memory, index) if isinstance(s, TimeSteps)
+                  else s.name for s in plan.steps if not isinstance(s, HostStep))
+    return ModelImage(obj, tuple(s.name for s in segments), order, tuple(slots), len(index),
+                      arena,
                       bytes(blob), net.batch_size,
                       _samples(net, plan.input, index), _samples(net, plan.output, index),
                       threads, 1 if program.opt_level >= 2 else threads)
+
+
+def _loop(loop: TimeSteps, steps: int, memory, index: dict) -> StepLoop:
+    """``loop`` for the C driver (a forward loop of segments)."""
+    inner = [s for s in loop.steps if not isinstance(s, Segment)]
+    if inner or loop.reverse:
+        raise ExportError(f"cannot export: time loop {loop.name!r} runs "
+                          f"{type(inner[0]).__name__ if inner else 'backward'} steps, which "
+                          "the C driver does not run")
+    return StepLoop(steps, tuple(s.name for s in loop.steps),
+                    tuple((index[view], index[base], memory[view].nbytes, shift)
+                          for view, base, shift in loop.views))
 
 
 def _prepare(net, plan: PredictPlan) -> None:
@@ -126,12 +153,12 @@ def _prepare(net, plan: PredictPlan) -> None:
 def _is_constant(buf: Buffer, constant: set) -> bool:
     """Whether ``buf``'s contents before a batch matter: parameters, fields and gather
     tables, a ``Batch`` field (dropout's mask), and the values of the host steps run at
-    export time. Values and gradients the batch computes, per-thread scratch and private
-    copies start as zeros."""
+    export time. Values and gradients the batch computes, per-thread scratch, private
+    copies and step views start as zeros."""
     if buf in constant:
         return True
     owner, what = buf.key[0], buf.key[-1]
-    if owner == "scratch" or isinstance(owner, Buffer):
+    if owner in ("scratch", "step") or isinstance(owner, Buffer):
         return False
     return what not in ("value", "grad") and not str(what).startswith("grad_")
 
