@@ -34,8 +34,9 @@ SCRIPT = textwrap.dedent('''
     SoftmaxLossLayer("loss", net, h, label)
     solve(SGD(SolverParameters(LRPolicy.Fixed(0.1), max_epoch=3 if odd == "epochs" else 2,
                                snapshot_dir=os.environ.get("OUT"))), net)
-    for i in range(int(os.environ.get("PRINTS", 0))):
-        print("line", i, flush=True)
+    for i in range(int(os.environ.get("PRINTS", 0))):   # one write a line: two ranks'
+        sys.stdout.write(f"line {i}\\n")                # lines may interleave, not split
+        sys.stdout.flush()
 ''')
 
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="mpiexec not found")
