@@ -332,7 +332,9 @@ def test_sigkill_at_random_moments_leaves_a_whole_newest_snapshot(script, tmp_pa
             net.load(newest)   # checks the whole file
             progress.append(net.solver_state["iteration"])
     assert progress and progress == sorted(progress) and progress[-1] > progress[0]
-    assert len(snapshots(out)) <= 2
+    # two kept; a kill after a new snapshot is whole but before the oldest goes leaves a
+    # third, which the next write removes
+    assert len(snapshots(out)) <= 3
     solve(sgd(out, 0, resume=True), build(script))   # a start removes killed writes' files
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
 
