@@ -14,6 +14,7 @@ from latte.compiler.ir import (
     Affine,
     Assign,
     AugAssign,
+    Axis,
     BinOp,
     Block,
     Buffer,
@@ -28,6 +29,7 @@ from latte.compiler.ir import (
 )
 from latte.compiler.passes import distribute_loops, match_gemm
 from latte.compiler.passes.localize import _gemm_row
+from latte.compiler.passes.time_hoist import hoist_param_grads
 from latte.stdlib import MemoryDataLayer
 
 # ---------------------------------------------------------------- a tiny IR interpreter
@@ -350,3 +352,48 @@ def test_distribution_keeps_statements_that_share_an_element_across_iterations(o
     net.forward()
     want = np.cumsum(xv, axis=1).sum(axis=1)
     np.testing.assert_allclose(net.value(e), np.repeat(want[:, None], 3, axis=1), rtol=1e-5)
+
+
+# ---------------------------------------------------------------- time_hoist
+
+def _step_nest(op: str, value_of) -> tuple[Loop, dict, Buffer]:
+    """A time loop's batch nest ``grad_w[i] <op>= value_of(x[t-1][n, i], g[t][n, i])``
+    over a step of 2 items (3 steps), and its views."""
+    rows, steps = 2, 3
+    x = Buffer(("x", "value"), "x.value", (rows * steps, 4), batched=True)
+    g = Buffer(("e", "grad"), "e.grad", (rows * steps, 4), batched=True)
+    xv = Buffer(("step", x, -1), "x.value[t-1]", (rows, 4), batched=True)
+    gv = Buffer(("step", g, 0), "e.grad[t]", (rows, 4), batched=True)
+    w = Buffer(("e", "grad_w"), "e.grad_w", (4,))
+    index = (Affine.of("n"), Affine.of("i"))
+    value = value_of(Load(Ref(xv, index, (rows, 4))), Load(Ref(gv, index, (rows, 4))))
+    body = Block((AugAssign(Ref(w, (Affine.of("i"),), (4,)), op, value),))
+    nest = Loop("n", 0, rows, Block((Loop("i", 0, 4, body),)), axis=Axis(None, -1))
+    return nest, {xv: (x, -1), gv: (g, 0)}, w
+
+
+def test_time_hoist_moves_sums_that_vanish_at_step_0_over_all_steps():
+    nest, views, w = _step_nest("+", lambda x, g: BinOp("*", x, g))
+    kept, hoisted = hoist_param_grads(Kernel("e.backward", Block((nest,))), frozenset({w}),
+                                      frozenset({_base(views, "e.grad")}), views, 3)
+    assert not kept.body.stmts
+    (loop,) = hoisted.body.stmts
+    assert (loop.start, loop.stop) == (0, 4)   # steps 1..2, x at rows 0..3, g at rows 2..5
+    rows = {r.buffer.name: r.index[0] for r in walk(loop) if isinstance(r, Ref)}
+    assert rows == {"x.value": Affine.of("n"), "e.grad": Affine.of("n", 1, 2),
+                    "e.grad_w": Affine.of("i")}
+
+
+@pytest.mark.parametrize("op, value_of", [
+    ("+", lambda x, g: BinOp("+", x, g)),   # x[t-1] no factor: step 0 would add g
+    ("*", lambda x, g: g),                   # a product over steps is no sum
+], ids=["not-a-factor", "not-a-sum"])
+def test_time_hoist_keeps_what_it_cannot_prove(op, value_of):
+    nest, views, w = _step_nest(op, value_of)
+    kept, hoisted = hoist_param_grads(Kernel("e.backward", Block((nest,))), frozenset({w}),
+                                      frozenset({_base(views, "e.grad")}), views, 3)
+    assert kept.body.stmts == (nest,) and not hoisted.body.stmts
+
+
+def _base(views: dict, name: str) -> Buffer:
+    return next(base for base, _ in views.values() if base.name == name)

@@ -67,7 +67,8 @@ def _over_all_steps(stmt, grads, final, views: dict, steps: int) -> Loop | None:
            for a in stepped):
         return None
     statements = [s for s in walk(stmt.body) if isinstance(s, (Assign, AugAssign, If, Gemm))]
-    if not all(isinstance(s, AugAssign) for s in statements):
+    if not all(isinstance(s, AugAssign) and s.op == "+" and isinstance(s.target, Ref)
+               for s in statements):   # sums, in any order of the steps
         return None
     before = {a.buffer for a in stepped if views[a.buffer][1] < 0}
     if before and not all(_has_factor(s, before) for s in statements):
@@ -85,10 +86,8 @@ def _over_all_steps(stmt, grads, final, views: dict, steps: int) -> Loop | None:
 
 
 def _has_factor(stmt, buffers: set) -> bool:
-    """``stmt`` is ``target += a * b * ...`` with a load of one of ``buffers`` among the
+    """``stmt`` (a ``+=``) adds ``a * b * ...`` with a load of one of ``buffers`` among the
     factors (zero when that load is)."""
-    if not (isinstance(stmt, AugAssign) and stmt.op == "+"):
-        return False
     factors, todo = [], [stmt.value]
     while todo:
         e = todo.pop()
