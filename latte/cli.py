@@ -30,7 +30,7 @@ from latte.overrides import OVERRIDES
 from latte.plot import plot
 from latte.progress import PhaseProfiler, Progress, patched, silent
 from latte.runtime import distributed
-from latte.streams import outliving_readers
+from latte.streams import outliving_readers, silence
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +56,7 @@ def _act(args: argparse.Namespace, script: str) -> int:
         print("latte: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `latte explain NET.py | head`: stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        silence(sys.stdout)
         return 1
     except SystemExit as e:  # the script called sys.exit()
         return _exit_status(e)
@@ -75,7 +75,7 @@ def _on_every_rank(args: argparse.Namespace, script: str) -> int:
     collective fails instead of hanging (:func:`distributed.watch_exits`)."""
     rank = distributed.rank()   # initializes MPI before the script runs
     # mpiexec names a killed rank by its PID only: say which PID is which rank
-    where = distributed.comm().allgather(f"{rank}={os.getpid()}@{socket.gethostname()}")
+    where = distributed.allgather(f"{rank}={os.getpid()}@{socket.gethostname()}")
     if rank == 0:
         print(f"latte: {len(where)} ranks (rank=pid@host): {' '.join(where)}", file=sys.stderr,
               flush=True)

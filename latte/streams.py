@@ -39,14 +39,19 @@ class _Guarded:
             return default
 
     def _closed(self) -> None:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, self._stream.fileno())
-        os.close(devnull)
+        silence(self._stream)
         if not self.closed_by_reader:
             self.closed_by_reader = True
             if self._name == "stdout":
                 print("latte: standard output was closed by its reader; training continues "
                       "without printing to it", file=sys.stderr, flush=True)
+
+
+def silence(stream: TextIO) -> None:
+    """Send ``stream``'s file descriptor to /dev/null: its reader has gone."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, stream.fileno())
+    os.close(devnull)
 
 
 @contextlib.contextmanager

@@ -37,9 +37,9 @@ def phase_steps(ensembles, by_ens, phase: str, prefix: str, split: bool = False,
                 steps.append(TimeSteps(f"{prefix}{len(steps)}", tuple(inner),
                                        phase == "backward", _views(inner, bufs), tuple(members)))
                 if phase == "backward":   # parameter gradients over all steps
-                    for e in members:
-                        if AFTER_LOOP in getattr(by_ens.get(e), "kernels", {}):
-                            run.append(by_ens[e].kernels[AFTER_LOOP])
+                    for plan in (by_ens[e] for e in members if e in by_ens):
+                        if AFTER_LOOP in plan.kernels:
+                            run.append(plan.kernels[AFTER_LOOP])
                             if split:
                                 flush()
         elif ens in by_ens:
