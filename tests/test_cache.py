@@ -19,7 +19,7 @@ import pytest
 from helpers import assert_scaled_close, fill, fill_labels, set_biases
 
 from latte import Net
-from latte.compiler import cache, pipeline
+from latte.compiler import cache, codegen, jit, pipeline
 from latte.compiler.fingerprint import fingerprint
 from latte.compiler.ir import (
     Affine,
@@ -133,17 +133,13 @@ def test_a_failed_write_leaves_the_old_entry_and_no_temporary_file(tmp_path, mon
 
 
 def _object(ir_text: str, optimize: bool) -> bytes:
-    """The object MCJIT compiles from ``ir_text`` (after O3 when ``optimize``)."""
+    """The object the target compiles from ``ir_text`` (after O3 when ``optimize``)."""
     t = target()
     module = llvm.parse_assembly(ir_text)
     module.triple, module.data_layout = t.machine.triple, str(t.machine.target_data)
     if optimize:
         t.optimize(module)
-    engine = llvm.create_mcjit_compiler(module, t.new_machine())
-    out = []
-    engine.set_object_cache(lambda _m, data: out.append(data), lambda _m: None)
-    engine.finalize_object()
-    return out[0]
+    return t.machine.emit_object(module)
 
 
 def test_the_cached_object_is_the_optimized_one(tmp_path, monkeypatch):
@@ -151,8 +147,8 @@ def test_the_cached_object_is_the_optimized_one(tmp_path, monkeypatch):
     lib = target().compile(SCALE)
     assert not lib.from_cache and lib.address("scale")
     stored = cache.load(lib.key)
-    assert stored == _object(SCALE, optimize=True)
-    assert stored != _object(SCALE, optimize=False)
+    assert jit._split(stored)[1::2] == [_object(SCALE, optimize=True)]
+    assert jit._split(stored)[1::2] != [_object(SCALE, optimize=False)]
     again = target().compile(SCALE)
     assert again.from_cache and again.address("scale")
     assert cache.load(lib.key) == stored     # a hit writes nothing
@@ -265,7 +261,7 @@ def test_identical_kernels_share_one_function_and_compute_their_own_buffers(tmp_
     segments = [Segment("first", (_scale_kernel("a", bufs[0], bufs[1], "a"),)),
                 Segment("second", (_scale_kernel("b", bufs[2], bufs[3], "b"),)),
                 Segment("third", (_scale_kernel("c", bufs[4], bufs[5], "c", value=3.0),))]
-    ir_text = llvm_ir(segments, index, threads=1)
+    ir_text = llvm_ir(segments, index, threads=1)[0]()
     assert len(_kernel_functions(ir_text)) == 2   # "third" multiplies by 3
     arrays = [np.arange(8, dtype=np.float32) + 10 * i for i in range(6)]
     table = (ctypes.c_void_p * 6)(*(a.ctypes.data for a in arrays))
@@ -304,7 +300,7 @@ def test_repeated_layers_compile_once_and_match_level_0(tmp_path, monkeypatch):
         program = net.program
         index = {b: i for i, b in enumerate(program.buffers.buffers.values())}
         segments = program.segments()
-        ir_text = llvm_ir(segments, index, program.buffers.threads)
+        ir_text = llvm_ir(segments, index, program.buffers.threads)[0]()
         kernels = [k for s in segments for k in s.kernels if k.body.stmts]
         # fc1..fc3 repeat fc2's forward and backward, relu1..relu3 relu0's (or fused)
         assert len(_kernel_functions(ir_text)) <= len(kernels) - 4
@@ -324,3 +320,44 @@ def test_a_hit_skips_verifying_what_a_miss_verified(tmp_path, monkeypatch):
     final = {id(k) for s in miss.program.segments() for k in s.kernels}
     assert final <= {id(k) for k in missed}   # a miss verifies the kernels it compiles
     assert len(calls) < len(missed)   # a hit verifies the synthesized kernels alone
+
+
+def _outputs(net, top) -> list[np.ndarray]:
+    return [net.value(top).copy()] + [p.grad.copy() for p in net.params]
+
+
+def test_a_program_compiles_as_one_module_per_job_with_the_same_results(tmp_path, monkeypatch):
+    """LATTE_COMPILE_JOBS=2: two modules compiled side by side (one in a forked child), one
+    cache entry holding both objects; the results are those of one module, bit for bit."""
+    results = {}
+    for jobs in (1, 2):
+        monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path / str(jobs)))
+        monkeypatch.setenv("LATTE_COMPILE_JOBS", str(jobs))
+        net, top = _repeated(3)
+        assert len(net.program.library.engines) == jobs
+        results[jobs] = _outputs(net, top)
+        again, top = _repeated(3)
+        assert again.program.library.from_cache and len(again.program.library.engines) == jobs
+        for got, want in zip(_outputs(again, top), results[jobs]):
+            np.testing.assert_array_equal(got, want)
+    for got, want in zip(results[2], results[1]):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_split_balances_modules_and_keeps_shared_kernels_together():
+    bufs = [Buffer((f"e{i}", "value"), f"e{i}", (8,)) for i in range(8)]
+    big = [_scale_kernel(f"b{i}", bufs[i], bufs[i + 1], f"b{i}", value=float(i)) for i in range(3)]
+    same = [_scale_kernel(f"s{i}", bufs[i], bufs[i + 1], f"s{i}", value=9.0) for i in range(4)]
+    segments = [Segment("big", tuple(big)), Segment("same0", (same[0], same[1])),
+                Segment("same1", (same[2],)), Segment("same2", (same[3],))]
+    groups = codegen.split(segments, 2)
+    assert sorted(s.name for g in groups for s in g) == sorted(s.name for s in segments)
+    # the three segments of one kernel shape cost one compile, in one module
+    assert [[s.name for s in g] for g in groups] == [["big"], ["same0", "same1", "same2"]]
+    assert codegen.split(segments, 1) == [segments]
+    assert len(codegen.split(segments, 8)) == 2   # never more modules than kernel shapes need
+
+
+def test_a_failed_compile_child_is_redone_in_the_parent():
+    parent = os.getpid()
+    assert jit._fork(lambda: b"object" if os.getpid() == parent else 1 // 0)() == b"object"

@@ -72,7 +72,7 @@ class ModuleBuilder:
         self.threads = threads
         self._kernels = 0
         self._shared: dict[str, ir.Function] = {}   # kernel structure -> its function
-        self.check_bounds = os.environ.get("LATTE_CHECK_BOUNDS", "") not in ("", "0")
+        self.check_bounds = check_bounds()
         self._sites: dict[str, ir.GlobalVariable] = {}
         if self.check_bounds:
             for name, ty in ((BOUNDS_SITE, I8P), (BOUNDS_OFFSET, I64)):
@@ -99,7 +99,7 @@ class ModuleBuilder:
         seg = ir.Function(self.module, ir.FunctionType(ir.VoidType(), [PTR.as_pointer()]), name)
         builder = ir.IRBuilder(seg.append_basic_block("entry"))
         for kernel in kernels:
-            bufs = list(dict.fromkeys(a.buffer for a in accesses(kernel.body)))
+            bufs = kernel_buffers(kernel)
             fn = self._kernel(kernel, bufs)
             args = []
             for b in bufs:
@@ -111,15 +111,8 @@ class ModuleBuilder:
 
     def _kernel(self, kernel: Kernel, bufs: list[Buffer]) -> ir.Function:
         """The function running ``kernel`` over the pointers ``bufs``: one already emitted
-        for a kernel of the same structure (the same IR with each buffer in the same argument
-        position (the order of first access) and of the same element type) or a new one.
-        With bounds checks the kernel's name and its buffers' names and sizes are part of the
-        code, hence of the structure."""
-        detail = ((lambda b: (b.dtype, b.size, b.name)) if self.check_bounds
-                  else (lambda b: b.dtype))
-        key = structure(kernel.body, {b: f"{i}:{detail(b)}" for i, b in enumerate(bufs)})
-        if self.check_bounds:
-            key = f"{kernel.name}\n{key}"
+        for a kernel of the same :func:`shape` or a new one."""
+        key = shape(kernel, bufs, self.check_bounds)
         fn = self._shared.get(key)
         if fn is None:
             self._kernels += 1
@@ -138,6 +131,46 @@ class ModuleBuilder:
         for arg, n in zip(fn.args[n_buffers:], ints):
             arg.name = n
         return fn
+
+
+def kernel_buffers(kernel: Kernel) -> list[Buffer]:
+    """The buffers ``kernel`` touches, in order of first access (its function's arguments)."""
+    return list(dict.fromkeys(a.buffer for a in accesses(kernel.body)))
+
+
+def shape(kernel: Kernel, bufs: list[Buffer], check_bounds: bool) -> str:
+    """What ``kernel``'s function is made from: its IR with each buffer as its argument
+    position and element type. Kernels of one shape share a function. With bounds checks
+    the kernel's name and its buffers' names and sizes are part of the code, hence of the
+    shape."""
+    detail = (lambda b: (b.dtype, b.size, b.name)) if check_bounds else (lambda b: b.dtype)
+    key = structure(kernel.body, {b: f"{i}:{detail(b)}" for i, b in enumerate(bufs)})
+    return f"{kernel.name}\n{key}" if check_bounds else key
+
+
+def split(segments: list, parts: int) -> list[list]:
+    """``segments`` in at most ``parts`` groups of about equal LLVM work, each group's in
+    their order, for one module each: a kernel shape costs the length of its IR once per
+    group that runs it, and each segment (largest first) joins the group it adds least
+    to. With bounds checks every module would define the checks' globals: one group."""
+    if parts <= 1 or check_bounds():
+        return [list(segments)]
+    shapes = [{shape(k, kernel_buffers(k), False) for k in seg.kernels} for seg in segments]
+    groups: list[tuple[list[int], set[str]]] = [([], set()) for _ in range(parts)]
+
+    def load(group) -> int:
+        return sum(map(len, group[1]))
+
+    for i in sorted(range(len(segments)), key=lambda i: -sum(map(len, shapes[i]))):
+        best = min(groups, key=lambda g: load(g) + sum(len(k) for k in shapes[i] - g[1]))
+        best[0].append(i)
+        best[1].update(shapes[i])
+    return [[segments[i] for i in sorted(g[0])] for g in groups if g[0]]
+
+
+def check_bounds() -> bool:
+    """Whether ``LATTE_CHECK_BOUNDS`` asks for run-time bounds checks."""
+    return os.environ.get("LATTE_CHECK_BOUNDS", "") not in ("", "0")
 
 
 def _mangle(name: str) -> str:

@@ -1,8 +1,10 @@
 """The native target: one object owns the target machine, the O3 pipeline and the JIT.
 
-Compiled objects are cached on disk (:mod:`latte.compiler.cache`), keyed by a hash of the
-LLVM IR, the CPU name and features and the llvmlite version, so a second run of the same net
-does not recompile: on a hit the IR is not even parsed, the engine loads the object alone.
+A program is compiled as one LLVM module per core, in parallel (forked children: llvmlite
+runs one LLVM call at a time per process), and the objects are loaded into one MCJIT engine.
+They are cached on disk (:mod:`latte.compiler.cache`) as one entry, keyed by a hash of what
+the IR is made from, the CPU name and features and the llvmlite version, so a second run of
+the same net does not recompile: on a hit the IR is not even built.
 """
 
 from __future__ import annotations
@@ -11,6 +13,11 @@ import ctypes
 import ctypes.util
 import functools
 import hashlib
+import os
+import struct
+import tempfile
+import warnings
+from pathlib import Path
 from typing import Callable
 
 import llvmlite
@@ -62,7 +69,7 @@ class Target:
     def cache_key(self, fingerprint: str) -> str:
         """The cache key of the program ``fingerprint`` identifies, on this CPU and LLVM."""
         h = hashlib.sha256()
-        for part in (fingerprint, self.cpu, self.features, llvmlite.__version__, "v2"):
+        for part in (fingerprint, self.cpu, self.features, llvmlite.__version__, "v3"):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()[:32]
@@ -78,43 +85,54 @@ class Target:
 
     def compile(self, ir_text: str) -> "CodeLibrary":
         """JIT ``ir_text``, through the cache keyed by its sha256."""
-        return self.library(hashlib.sha256(ir_text.encode()).hexdigest(), lambda: ir_text)
+        return self.library(hashlib.sha256(ir_text.encode()).hexdigest(),
+                            lambda _n: [lambda: ir_text])
 
-    def library(self, fingerprint: str, build_ir: Callable[[], str], speed: int = 3) -> "CodeLibrary":
-        """The code of the program whose IR ``build_ir()`` returns and that ``fingerprint``
-        identifies (a hash of everything the IR is made from): the cached object if a valid
-        one exists (then the IR is never built), else the IR parsed, verified, optimized and
-        compiled, and the object of the optimized module cached. ``speed`` is LLVM's
-        optimization level (part of the key)."""
+    def library(self, fingerprint: str, build_ir: Callable[[int], list[Callable[[], str]]],
+                speed: int = 3) -> "CodeLibrary":
+        """The code of the program that ``fingerprint`` identifies (a hash of everything its
+        IR is made from): the cached objects if a valid entry exists (then the IR is never
+        built), else the modules ``build_ir(n)`` returns (at most ``n`` functions, each
+        building one module's LLVM IR; together they define every function) built and
+        compiled in parallel, one per core, and their objects cached as one entry.
+        ``speed`` is LLVM's optimization level (part of the key)."""
         key = self.cache_key(f"{fingerprint}/O{speed}")
-        obj = cache.load(key)
-        if obj is not None:
-            # the object carries every symbol: MCJIT needs a module, any will do
-            return CodeLibrary(self._engine(self._module(""), obj), True, key, None, speed)
-        ir_text = build_ir()
-        engine, compiled = self._compile(ir_text, speed)
-        if len(compiled) == 1:
-            cache.store(key, compiled[0])
-        return CodeLibrary(engine, False, key, hashlib.sha256(ir_text.encode()).hexdigest(),
-                           speed)
+        data = cache.load(key)
+        if data is not None:
+            return CodeLibrary(self._engines(_split(data)[1::2]), True, key, None, speed)
+        built = self._compile_all(build_ir(compile_jobs()), speed)
+        cache.store(key, _join(built))
+        return CodeLibrary(self._engines(built[1::2]), False, key,
+                           hashlib.sha256(b"".join(built[0::2])).hexdigest(), speed)
 
-    def object_code(self, library: "CodeLibrary", build_ir: Callable[[], str]) -> bytes:
-        """The relocatable object ``library`` runs (``latte export`` links it into a shared
-        library: its calls to sgemm, libm and libgomp are references by name): the cached
-        one, else ``build_ir()`` compiled again as :meth:`library` compiled it."""
-        obj = cache.load(library.key)
-        if obj is None:
-            (obj,) = self._compile(build_ir(), library.speed)[1]   # MCJIT: one per module
-        return obj
+    def objects(self, library: "CodeLibrary",
+                build_ir: Callable[[int], list[Callable[[], str]]]) -> list[bytes]:
+        """The relocatable objects ``library`` runs (``latte export`` links them into a shared
+        library: their calls to sgemm, libm and libgomp are references by name): the cached
+        ones, else ``build_ir`` compiled again as :meth:`library` compiled it."""
+        data = cache.load(library.key)
+        built = _split(data) if data is not None else self._compile_all(
+            build_ir(compile_jobs()), library.speed)
+        return built[1::2]
 
-    def _compile(self, ir_text: str, speed: int):
-        """``ir_text`` parsed, verified, optimized at ``speed`` and JIT-compiled: the engine
-        and the object(s) MCJIT made of it."""
+    def object(self, ir_text: str, speed: int) -> bytes:
+        """``ir_text`` parsed, verified, optimized at ``speed`` and compiled to an object."""
         module = self._module(ir_text)
         module.verify()
         self.optimize(module, speed)
-        compiled: list[bytes] = []
-        return self._engine(module, None, compiled.append), compiled
+        return self.machine.emit_object(module)
+
+    def _compile_all(self, modules: list[Callable[[], str]], speed: int) -> list[bytes]:
+        """For each of ``modules`` (functions building LLVM IR) the sha256 of its IR and its
+        object, in one list: all but the first built and compiled in forked children
+        (llvmlite runs one LLVM call at a time per process), the first here meanwhile."""
+        def build(module: Callable[[], str]) -> bytes:
+            text = module()
+            return hashlib.sha256(text.encode()).digest() + self.object(text, speed)
+
+        children = [_fork(lambda m=m: build(m)) for m in modules[1:]]
+        out = [build(modules[0])] + [child() for child in children]
+        return [part for one in out for part in (one[:32], one[32:])]
 
     def _module(self, ir_text: str) -> llvm.ModuleRef:
         """``ir_text`` parsed, for this target (O3 needs the data layout)."""
@@ -123,31 +141,103 @@ class Target:
         module.data_layout = str(self.machine.target_data)
         return module
 
-    def _engine(self, module: llvm.ModuleRef, obj: bytes | None, notify=None):
-        """A finalized MCJIT engine for ``module``, or for the object ``obj`` compiled from
-        it; ``notify`` receives the object the engine compiles (when ``obj`` is None)."""
-        engine = llvm.create_mcjit_compiler(module, self.new_machine())
-        engine.set_object_cache(lambda _mod, data: notify(data) if notify else None,
-                                lambda _mod: obj)
-        engine.finalize_object()
-        return engine
+    def _engines(self, objects: list[bytes]) -> list:
+        """A finalized MCJIT engine per object (MCJIT needs a module: an empty one). One
+        engine holding two objects runs into SIGILL (LLVM 22: the second object's GOT
+        relocations of the large code model, which a JIT uses, are resolved wrongly), so
+        each object gets its own; no object calls into another."""
+        engines = []
+        for obj in objects:
+            engine = llvm.create_mcjit_compiler(self._module(""), self.new_machine())
+            engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
+            engine.finalize_object()
+            engines.append(engine)
+        return engines
+
+
+def compile_jobs() -> int:
+    """How many modules a program is compiled as, in parallel: ``$LATTE_COMPILE_JOBS``, else
+    the cores this process may run on (1 under MPI, whose ranks share them, and where
+    ``fork`` is missing)."""
+    if os.environ.get("LATTE_COMPILE_JOBS"):
+        return max(1, int(os.environ["LATTE_COMPILE_JOBS"]))
+    if not hasattr(os, "fork") or any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK")):
+        return 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _fork(work: Callable[[], bytes]) -> Callable[[], bytes]:
+    """Run ``work`` in a forked child; returns a function that waits for the child and
+    returns its bytes, or runs ``work`` here if the child failed (a real LLVM error then
+    surfaces in this process)."""
+    fd, path = tempfile.mkstemp(prefix="latte-obj-")
+    os.close(fd)
+    with warnings.catch_warnings():   # Python 3.12+ warns about forking a threaded process;
+        warnings.simplefilter("ignore", DeprecationWarning)   # the child only runs LLVM
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            with open(path, "wb") as f:
+                f.write(work())
+            code = 0
+        finally:
+            os._exit(code)
+
+    def result() -> bytes:
+        _, status = os.waitpid(pid, 0)
+        try:
+            data = Path(path).read_bytes() if status == 0 else b""
+        finally:
+            os.unlink(path)
+        return data if data else work()
+    return result
+
+
+_COUNT = struct.Struct("<Q")
+
+
+def _join(objects: list[bytes]) -> bytes:
+    """One cache payload holding ``objects`` (byte strings): a count, then each length and
+    bytes."""
+    return b"".join([_COUNT.pack(len(objects))]
+                    + [_COUNT.pack(len(o)) + o for o in objects])
+
+
+def _split(data: bytes) -> list[bytes]:
+    """The objects of a payload :func:`_join` made (its checksum was verified on load)."""
+    (n,), at, out = _COUNT.unpack_from(data), _COUNT.size, []
+    for _ in range(n):
+        (size,) = _COUNT.unpack_from(data, at)
+        out.append(data[at + _COUNT.size: at + _COUNT.size + size])
+        at += _COUNT.size + size
+    return out
 
 
 class CodeLibrary:
-    """A finalized JIT module: look up exported functions by name. ``key`` is its cache key,
-    ``ir_digest`` the sha256 of its LLVM IR text (None when the object came from the cache and
-    the IR was never built); both are equal across processes for equal nets. ``speed``: the
-    LLVM optimization level it was compiled at."""
+    """Finalized JIT engines (one per object): look up exported functions by name. ``key``
+    is the cache key, ``ir_digest`` the sha256 of the LLVM IR text (None when the objects
+    came from the cache and the IR was never built); both are equal across processes for
+    equal nets. ``speed``: the LLVM optimization level it was compiled at."""
 
-    def __init__(self, engine, from_cache: bool, key: str, ir_digest: str | None, speed: int = 3):
-        self.engine, self.from_cache, self.key, self.ir_digest = engine, from_cache, key, ir_digest
+    def __init__(self, engines: list, from_cache: bool, key: str, ir_digest: str | None,
+                 speed: int = 3):
+        self.engines, self.from_cache, self.key, self.ir_digest = engines, from_cache, key, ir_digest
         self.speed = speed
 
     def address(self, name: str) -> int:
-        addr = self.engine.get_function_address(name)
+        addr = self.global_address(name)
         if not addr:
             raise KeyError(f"no compiled function {name!r}")
         return addr
+
+    def global_address(self, name: str) -> int:
+        """The address of the function or global ``name``, 0 if no object defines it."""
+        for engine in self.engines:
+            addr = engine.get_global_value_address(name)
+            if addr:
+                return addr
+        return 0
 
 
 @functools.lru_cache(maxsize=None)

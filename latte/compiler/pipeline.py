@@ -18,7 +18,7 @@ from typing import Callable
 
 from latte.compiler import schedule
 from latte.compiler.buffers import BufferPlan, StepBuffers
-from latte.compiler.codegen import ModuleBuilder
+from latte.compiler.codegen import ModuleBuilder, split
 from latte.compiler.fingerprint import fingerprint
 from latte.compiler.fusion import (
     ROW_DIM,
@@ -305,9 +305,9 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     index = {b: i for i, b in enumerate(program.buffers.buffers.values())}
     segments, threads = program.segments(), program.buffers.threads
 
-    def build_ir() -> str:
+    def build_ir(parts: int) -> list[Callable[[], str]]:
         verify(c.kernels())
-        return llvm_ir(segments, index, threads)
+        return llvm_ir(segments, index, threads, parts)
 
     # opt level 0 is the plain-loop baseline the others are checked against: LLVM's O1
     # compiles it in half the time, and nothing at that level is meant to be fast
@@ -316,13 +316,15 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     return program
 
 
-def llvm_ir(segments: list[Segment], index: dict, threads: int) -> str:
-    """The LLVM IR of ``segments`` over the buffer table ``index`` (``LATTE_DUMP=llvm``
-    prints it)."""
-    mb = ModuleBuilder(index, threads)
-    for seg in segments:
-        mb.add_segment(seg.name, list(seg.kernels))
-    ir_text = str(mb.module)
-    if "llvm" in os.environ.get("LATTE_DUMP", "").split(","):
-        print(f"==== LLVM IR\n{ir_text}", file=sys.stderr)
-    return ir_text
+def llvm_ir(segments: list[Segment], index: dict, threads: int,
+            parts: int = 1) -> list[Callable[[], str]]:
+    """Functions building the LLVM IR of ``segments`` over the buffer table ``index`` as at
+    most ``parts`` modules of about equal work (``LATTE_DUMP=llvm`` prints them)."""
+    def module(group: list[Segment]) -> str:
+        mb = ModuleBuilder(index, threads)
+        for seg in group:
+            mb.add_segment(seg.name, list(seg.kernels))
+        if "llvm" in os.environ.get("LATTE_DUMP", "").split(","):
+            print(f"==== LLVM IR\n{mb.module}", file=sys.stderr, flush=True)
+        return str(mb.module)
+    return [lambda g=group: module(g) for group in split(segments, parts)]

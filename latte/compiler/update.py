@@ -231,6 +231,6 @@ def jit(segments: list[Segment], threads: int, opt_level: int) -> UpdateCode:
             for a in accesses(kernel.body):
                 index.setdefault(a.buffer, len(index))
     library = target().library(fingerprint(segments, index, threads),
-                               lambda: llvm_ir(segments, index, threads),
+                               lambda parts: llvm_ir(segments, index, threads, parts),
                                speed=1 if opt_level == 0 else 3)
     return UpdateCode(segments, list(index), library)

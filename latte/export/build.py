@@ -33,22 +33,24 @@ def build(image: ModelImage, directory: Path, origin: str) -> list[Path]:
     written = [directory / csource.HEADER]
     header = csource.header(image, origin)
     _write(written[0], header.encode())
-    needs = _native_libraries(image.object_code)
+    needs = _native_libraries(image.objects)
     for lib, name in needs:
         written.append(directory / name)
         if not written[-1].exists() or not os.path.samefile(lib, written[-1]):
             _write(written[-1], Path(lib).read_bytes(), mode=0o755)
     with tempfile.TemporaryDirectory(prefix="latte-export-") as tmp:
         work = Path(tmp)
-        (work / "model.o").write_bytes(image.object_code)
+        objects = [work / f"model{i}.o" for i in range(len(image.objects))]
+        for path, obj in zip(objects, image.objects):
+            path.write_bytes(obj)
         (work / "blob.bin").write_bytes(image.blob)
         (work / "exports.map").write_text(_VERSION_SCRIPT)
         (work / csource.HEADER).write_text(header)
         (work / "driver.c").write_text(csource.driver(image, str(work / "blob.bin"),
-                                                      _calls(image.object_code, SGEMM)))
+                                                      _calls(image.objects, SGEMM)))
         out = work / LIBRARY
         cmd = [cc, "-shared", "-fPIC", "-O2", "-fvisibility=hidden", "-o", str(out),
-               str(work / "driver.c"), str(work / "model.o"),
+               str(work / "driver.c"), *map(str, objects),
                *[str(directory / name) for _, name in needs],
                "-lm", "-lpthread", "-Wl,-rpath,$ORIGIN", "-Wl,-z,noexecstack",
                f"-Wl,--version-script={work / 'exports.map'}"]
@@ -69,14 +71,14 @@ def _compiler() -> str:
     raise ExportError("cannot export: no C compiler found (set $CC, or install gcc)")
 
 
-def _native_libraries(obj: bytes) -> list[tuple[str, str]]:
-    """The shared libraries the object's undefined symbols come from (looked up in its
+def _native_libraries(objects: tuple[bytes, ...]) -> list[tuple[str, str]]:
+    """The shared libraries the objects' undefined symbols come from (looked up in their
     string table), each as its file and its soname (the name the copy must have):
     OpenBLAS for sgemm, libgomp for parallel loops. libm and libc are the system's."""
     found = []
-    if _calls(obj, SGEMM):
+    if _calls(objects, SGEMM):
         found.append((blas()._name, os.path.basename(blas()._name)))
-    if _calls(obj, "GOMP_parallel"):
+    if _calls(objects, "GOMP_parallel"):
         gomp = openmp()
         if gomp is None:
             raise ExportError("cannot export: the code runs parallel loops but libgomp (it "
@@ -98,10 +100,10 @@ def _loaded_path(name: str) -> str:
     raise ExportError(f"cannot export: the file of {name} is not found")
 
 
-def _calls(obj: bytes, symbol: str) -> bool:
-    """Whether the object names ``symbol`` (its only global symbols are the segments it
-    defines and the functions it calls)."""
-    return b"\0" + symbol.encode() + b"\0" in obj
+def _calls(objects: tuple[bytes, ...], symbol: str) -> bool:
+    """Whether an object names ``symbol`` (their only global symbols are the segments they
+    define and the functions they call)."""
+    return any(b"\0" + symbol.encode() + b"\0" in obj for obj in objects)
 
 
 def _write(path: Path, data: bytes, mode: int = 0o644) -> None:

@@ -69,11 +69,11 @@ class StepLoop:
 
 @dataclass(frozen=True)
 class ModelImage:
-    """Everything the C driver needs: ``object_code`` defines ``segments`` (each
+    """Everything the C driver needs: ``objects`` define ``segments`` (each
     ``void seg(void **table)``); ``program`` runs them per batch of ``batch_size`` items,
     in order: a segment's name, or a :class:`StepLoop`."""
 
-    object_code: bytes
+    objects: tuple[bytes, ...]
     segments: tuple[str, ...]
     program: tuple
     slots: tuple[Slot, ...]
@@ -113,11 +113,11 @@ def model_image(net) -> ModelImage:
         slots.append(Slot(index[buf], buf.name, arena, data.nbytes, blob_offset))
         arena += data.nbytes + (-data.nbytes % ALIGN)
     threads = bufs.threads
-    obj = target().object_code(program.library,
-                               lambda: llvm_ir(program.segments(), index, threads))
+    objects = target().objects(program.library,
+                               lambda parts: llvm_ir(program.segments(), index, threads, parts))
     order = tuple(_loop(s, bufs.time_steps, memory, index) if isinstance(s, TimeSteps)
                   else s.name for s in plan.steps if not isinstance(s, HostStep))
-    return ModelImage(obj, tuple(s.name for s in segments), order, tuple(slots), len(index),
+    return ModelImage(tuple(objects), tuple(s.name for s in segments), order, tuple(slots), len(index),
                       arena,
                       bytes(blob), net.batch_size,
                       _samples(net, plan.input, index), _samples(net, plan.output, index),

@@ -28,9 +28,9 @@ class NativeCode:
     def __init__(self, library: CodeLibrary, segments: list[Segment], table):
         self._fns = {seg.name: _SEGMENT(library.address(seg.name)) for seg in segments}
         self._table = ctypes.cast(table, ctypes.c_void_p)
-        engine = library.engine   # code built with LATTE_CHECK_BOUNDS=1 has these
-        self._site = engine.get_global_value_address(BOUNDS_SITE)
-        self._offset = engine.get_global_value_address(BOUNDS_OFFSET)
+        # code built with LATTE_CHECK_BOUNDS=1 has these
+        self._site = library.global_address(BOUNDS_SITE)
+        self._offset = library.global_address(BOUNDS_OFFSET)
 
     def call(self, segment: str) -> None:
         self._fns[segment](self._table)
