@@ -37,6 +37,7 @@ from latte.compiler.ir import (
     Ref,
 )
 from latte.compiler.jit import target
+from latte.compiler.passes.parallel import parallel
 from latte.compiler.pipeline import llvm_ir
 from latte.compiler.program import Segment
 from latte.stdlib import FullyConnectedLayer, MemoryDataLayer, ReLULayer, SoftmaxLossLayer
@@ -361,3 +362,16 @@ def test_split_balances_modules_and_keeps_shared_kernels_together():
 def test_a_failed_compile_child_is_redone_in_the_parent():
     parent = os.getpid()
     assert jit._fork(lambda: b"object" if os.getpid() == parent else 1 // 0)() == b"object"
+
+
+def test_a_parallel_loop_receives_only_the_buffers_it_touches():
+    """A kernel zeroing many buffers in parallel loops (ResNet-50's gradient zeroing) passed
+    every buffer to every loop's outlined body: 11 MB of LLVM IR, half of the compile."""
+    bufs = [Buffer((f"e{i}", "grad"), f"e{i}", (8,)) for i in range(6)]
+    loops = tuple(parallel(Loop("i", 0, 8, Block((Assign(Ref(b, (Affine.of("i"),), (8,)),
+                                                         Const(0.0)),))), 1) for b in bufs)
+    ir_text = llvm_ir([Segment("zero", (Kernel("zero", Block(loops)),))],
+                      {b: i for i, b in enumerate(bufs)}, threads=2)[0]()
+    bodies = re.findall(r'^define internal void @"?k\d+_zero_par\d+"?\((.*)\)$', ir_text, re.MULTILINE)
+    assert len(bodies) == len(bufs)
+    assert all(args.count("float*") == 1 for args in bodies)

@@ -254,7 +254,8 @@ class _KernelEmitter:
         total = 1
         for lp in loops:
             total *= lp.extent
-        bufs = list(self.args)
+        used = {a.buffer for a in accesses(s)}   # the context carries these alone
+        bufs = [b for b in self.args if b in used]
         outer = [v for v in self.loop_vars if v != TID]
         mb = self.mb
         mb._kernels += 1
