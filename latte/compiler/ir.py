@@ -325,16 +325,20 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
 
 
-def children(node: Node) -> Iterator[Node]:
-    """Direct child nodes, in field order."""
-    for name in _field_names(type(node)):
-        val = getattr(node, name)
-        if isinstance(val, Node):
-            yield val
-        elif isinstance(val, tuple):
-            for v in val:
-                if isinstance(v, Node):
-                    yield v
+def children(node: Node) -> tuple[Node, ...]:
+    """Direct child nodes, in field order (remembered by the node: nodes never change)."""
+    kids = node.__dict__.get("_children")
+    if kids is None:
+        kids = []
+        for name in _field_names(type(node)):
+            val = getattr(node, name)
+            if isinstance(val, Node):
+                kids.append(val)
+            elif isinstance(val, tuple):
+                kids.extend(v for v in val if isinstance(v, Node))
+        kids = tuple(kids)
+        object.__setattr__(node, "_children", kids)
+    return kids
 
 
 def walk(node: Node) -> Iterator[Node]:
@@ -344,7 +348,7 @@ def walk(node: Node) -> Iterator[Node]:
     while stack:
         n = stack.pop()
         yield n
-        stack.extend(reversed(tuple(children(n))))
+        stack.extend(reversed(children(n)))
 
 
 def map_children(node: Node, fn: Callable[[Node], Node]) -> Node:
@@ -428,7 +432,11 @@ def accesses(node: Node) -> list[Access]:
     """Every buffer access below ``node`` (``node`` included), each once, in execution
     order of the tree: refs and GEMM operand blocks, each with the loops around it. A
     statement's target is one written access (a ``+=`` also reads it); identity is
-    positional, so value-equal refs in the target and the value are reported apart."""
+    positional, so value-equal refs in the target and the value are reported apart. The
+    node remembers its list (nodes never change)."""
+    known = node.__dict__.get("_accesses")
+    if known is not None:
+        return list(known)
     out: list[Access] = []
 
     def ref(r: Ref, written: bool, loops: tuple) -> None:
@@ -457,6 +465,7 @@ def accesses(node: Node) -> list[Access]:
             visit(c, loops)
 
     visit(node, ())
+    object.__setattr__(node, "_accesses", tuple(out))
     return out
 
 
