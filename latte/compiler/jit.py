@@ -1,7 +1,7 @@
 """The native target: one object owns the target machine, the O3 pipeline and the JIT.
 
 A program is compiled as one LLVM module per core, in parallel (forked children: llvmlite
-runs one LLVM call at a time per process), and the objects are loaded into one MCJIT engine.
+runs one LLVM call at a time per process), and each object is loaded into an MCJIT engine.
 They are cached on disk (:mod:`latte.compiler.cache`) as one entry, keyed by a hash of what
 the IR is made from, the CPU name and features and the llvmlite version, so a second run of
 the same net does not recompile: on a hit the IR is not even built.
@@ -14,6 +14,7 @@ import ctypes.util
 import functools
 import hashlib
 import os
+import signal
 import struct
 import tempfile
 import warnings
@@ -130,8 +131,12 @@ class Target:
             text = module()
             return hashlib.sha256(text.encode()).digest() + self.object(text, speed)
 
-        children = [_fork(lambda m=m: build(m)) for m in modules[1:]]
-        out = [build(modules[0])] + [child() for child in children]
+        children = [_Child(lambda m=m: build(m)) for m in modules[1:]]
+        try:
+            out = [build(modules[0])] + [child.result() for child in children]
+        finally:
+            for child in children:
+                child.cancel()
         return [part for one in out for part in (one[:32], one[32:])]
 
     def _module(self, ir_text: str) -> llvm.ModuleRef:
@@ -166,32 +171,41 @@ def compile_jobs() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def _fork(work: Callable[[], bytes]) -> Callable[[], bytes]:
-    """Run ``work`` in a forked child; returns a function that waits for the child and
-    returns its bytes, or runs ``work`` here if the child failed (a real LLVM error then
-    surfaces in this process)."""
-    fd, path = tempfile.mkstemp(prefix="latte-obj-")
-    os.close(fd)
-    with warnings.catch_warnings():   # Python 3.12+ warns about forking a threaded process;
-        warnings.simplefilter("ignore", DeprecationWarning)   # the child only runs LLVM
-        pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            with open(path, "wb") as f:
-                f.write(work())
-            code = 0
-        finally:
-            os._exit(code)
+class _Child:
+    """``work`` run in a forked child, its bytes passed back through a temporary file."""
 
-    def result() -> bytes:
-        _, status = os.waitpid(pid, 0)
-        try:
-            data = Path(path).read_bytes() if status == 0 else b""
-        finally:
-            os.unlink(path)
-        return data if data else work()
-    return result
+    def __init__(self, work: Callable[[], bytes]):
+        self.work, self.pid = work, None
+        fd, self.path = tempfile.mkstemp(prefix="latte-obj-")
+        os.close(fd)
+        with warnings.catch_warnings():   # Python 3.12+ warns about forking a threaded
+            warnings.simplefilter("ignore", DeprecationWarning)   # process: the child only
+            pid = os.fork()                                        # runs LLVM
+        if pid == 0:
+            code = 1
+            try:
+                Path(self.path).write_bytes(work())
+                code = 0
+            finally:
+                os._exit(code)
+        self.pid = pid
+
+    def result(self) -> bytes:
+        """The child's bytes, or ``work`` run here if the child failed (a real LLVM error
+        then surfaces in this process)."""
+        _, status = os.waitpid(self.pid, 0)
+        self.pid = None
+        data = Path(self.path).read_bytes() if status == 0 else b""
+        return data if data else self.work()
+
+    def cancel(self) -> None:
+        """Stop the child if it still runs (this process failed or was interrupted) and
+        remove its file."""
+        if self.pid is not None:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.pid = None
+        Path(self.path).unlink(missing_ok=True)
 
 
 _COUNT = struct.Struct("<Q")
@@ -216,9 +230,9 @@ def _split(data: bytes) -> list[bytes]:
 
 class CodeLibrary:
     """Finalized JIT engines (one per object): look up exported functions by name. ``key``
-    is the cache key, ``ir_digest`` the sha256 of the LLVM IR text (None when the objects
-    came from the cache and the IR was never built); both are equal across processes for
-    equal nets. ``speed``: the LLVM optimization level it was compiled at."""
+    is the cache key, ``ir_digest`` a sha256 over its modules' LLVM IR (None when the
+    objects came from the cache and the IR was never built); both are equal across
+    processes for equal nets. ``speed``: the LLVM optimization level it was compiled at."""
 
     def __init__(self, engines: list, from_cache: bool, key: str, ir_digest: str | None,
                  speed: int = 3):
