@@ -2,7 +2,8 @@
 onnxruntime.
 
     python benchmarks/zoo.py [--nets alexnet vgg16 resnet18 resnet50] [--size 224]
-                             [--threads 1 2] [--repeat 10] [--quick] [--stock-malloc]
+                             [--modes inference training] [--threads 1 2] [--repeat 10]
+                             [--quick] [--stock-malloc]
 
 Per net (``latte.zoo``, 1000 classes, float32): inference at batch 1 (a test-phase forward;
 onnxruntime runs the PyTorch twin exported to ONNX in a temporary folder) and one SGD
@@ -189,6 +190,7 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=224, help="input height and width")
     ap.add_argument("--threads", type=int, nargs="*", default=[1, 2])
     ap.add_argument("--frameworks", nargs="*", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 repetitions")
@@ -206,8 +208,8 @@ def main() -> None:
     load, rows = OtherLoad(), []
     for net in args.nets:
         flop = gflop(net, args.size)
-        for mode, batch in MODES.items():
-            work = flop * batch * (3 if mode == "training" else 1)
+        for mode in args.modes:
+            work = flop * MODES[mode] * (3 if mode == "training" else 1)
             for threads in args.threads:
                 rows += _rows(args, net, mode, threads, work)
     print(f"latte.zoo nets at {args.size}x{args.size}, {CLASSES} classes, float32; median of "

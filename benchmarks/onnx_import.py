@@ -1,7 +1,7 @@
 """ONNX models imported into latte (``latte.onnx.load_onnx``) against onnxruntime on the
 same files.
 
-    python benchmarks/onnx.py [--models resnet18 vgg_block] [--size 64] [--batches 1 8]
+    python benchmarks/onnx_import.py [--models resnet18 vgg_block] [--size 64] [--batches 1 8]
                               [--threads 1 2] [--repeat 10] [--quick]
 
 The models are PyTorch's, exported once to ONNX (eval mode, the exporter's defaults: batch
@@ -38,9 +38,6 @@ from harness import (  # noqa: E402
     table,
 )
 from zoo import torch_twin  # noqa: E402
-
-# this file is named onnx.py: off the path, so that ``import onnx`` finds the package
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 
 MODELS = ("resnet18", "vgg_block")
 
