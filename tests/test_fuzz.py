@@ -51,18 +51,41 @@ PRECISION = {
 }
 
 
+# cases the 5,000-case run (session 6, cases 0..4999) found failing and that are not fixed
+# yet, each a strict xfail: fixing one makes its test fail until it moves to FIXED
+OPEN = {
+    917: "level 1 vs 0: a parameter gradient 2.05e-5 off at scale 0.01 (just over the bound)",
+    1224: "level 0 vs reference: a gradient 0.0934 off at scale 73 (1.3e-3)",
+    1287: "level 2 vs 0 and level 0 vs reference: a value 0.5 off at scale 0.5",
+    1807: "level 3 vs 0: gradients through a stdlib activation 0.0034 off at scale 0.24",
+    2099: "level 0 vs reference: values past float32's range (the reference has 1e51, float32 inf)",
+    2269: "level 0 vs reference: conv gradients 2-4e-5 off at scale 0.01 (just over the bound)",
+    2781: "level 3 vs 0: input gradients 592 off at scale 6310 (a mean pool and two neurons "
+          "reading one source through padded windows)",
+    2960: "the generator builds a net the compiler rejects: layer 'c2960_1conv' writes "
+          "(3, 8, 128) but 'c2960_x0act' reads (2, 8, 128)",
+    3149: "level 1 vs 0 and reference: a batch norm partial-variance gradient 1.3e-5 off at "
+          "scale 0.01 (just over the bound)",
+    3473: "level 3 vs 0: a batch norm partial-mean gradient 2.5e-4 off at scale 1.9",
+    3966: "level 0 vs reference: gradients 2-4e-3 off at scale 1",
+    4794: "level 3 vs 0: a neuron's gradient 0.08-0.42 off at scale 0.45",
+    4799: "level 3 vs 0: a parameter gradient 2.4e-4 off at scale 0.039",
+}
+
+
 def _seeds(config) -> list[int]:
     if config.getoption("--fuzz-seed"):
         return [int(s) for s in config.getoption("--fuzz-seed").split(",")]
     n = config.getoption("--fuzz")
     n = n if n is not None else int(os.environ.get("LATTE_FUZZ", "300"))
-    return sorted(set(range(n)) | set(FIXED))
+    return sorted(set(range(n)) | set(FIXED) | set(OPEN))
 
 
 def pytest_generate_tests(metafunc):
     if "case" in metafunc.fixturenames:
-        seeds = [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=PRECISION[s]))
-                 if s in PRECISION else s for s in _seeds(metafunc.config)]
+        known = PRECISION | OPEN
+        seeds = [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=known[s]))
+                 if s in known else s for s in _seeds(metafunc.config)]
         metafunc.parametrize("case", seeds, ids=[f"case{s}" for s in _seeds(metafunc.config)])
 
 
