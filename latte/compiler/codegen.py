@@ -156,16 +156,16 @@ def split(segments: list, parts: int) -> list[list]:
     if parts <= 1 or check_bounds():
         return [list(segments)]
     shapes = [{shape(k, kernel_buffers(k), False) for k in seg.kernels} for seg in segments]
-    groups: list[tuple[list[int], set[str]]] = [([], set()) for _ in range(parts)]
-
-    def load(group) -> int:
-        return sum(map(len, group[1]))
-
+    members: list[list[int]] = [[] for _ in range(parts)]
+    held: list[set[str]] = [set() for _ in range(parts)]
+    loads = [0] * parts
     for i in sorted(range(len(segments)), key=lambda i: -sum(map(len, shapes[i]))):
-        best = min(groups, key=lambda g: load(g) + sum(len(k) for k in shapes[i] - g[1]))
-        best[0].append(i)
-        best[1].update(shapes[i])
-    return [[segments[i] for i in sorted(g[0])] for g in groups if g[0]]
+        added = [sum(len(k) for k in shapes[i] - held[g]) for g in range(parts)]
+        g = min(range(parts), key=lambda g: loads[g] + added[g])
+        members[g].append(i)
+        held[g] |= shapes[i]
+        loads[g] += added[g]
+    return [[segments[i] for i in sorted(m)] for m in members if m]
 
 
 def check_bounds() -> bool:

@@ -100,11 +100,11 @@ class Target:
         key = self.cache_key(f"{fingerprint}/O{speed}")
         data = cache.load(key)
         if data is not None:
-            return CodeLibrary(self._engines(_split(data)[1::2]), True, key, None, speed)
-        built = self._compile_all(build_ir(compile_jobs()), speed)
-        cache.store(key, _join(built))
-        return CodeLibrary(self._engines(built[1::2]), False, key,
-                           hashlib.sha256(b"".join(built[0::2])).hexdigest(), speed)
+            return CodeLibrary(self._engines(_split(data)), True, key, None, speed)
+        digests, objects = self._compile_all(build_ir(compile_jobs()), speed)
+        cache.store(key, _join(objects))
+        return CodeLibrary(self._engines(objects), False, key,
+                           hashlib.sha256(b"".join(digests)).hexdigest(), speed)
 
     def objects(self, library: "CodeLibrary",
                 build_ir: Callable[[int], list[Callable[[], str]]]) -> list[bytes]:
@@ -112,9 +112,9 @@ class Target:
         library: their calls to sgemm, libm and libgomp are references by name): the cached
         ones, else ``build_ir`` compiled again as :meth:`library` compiled it."""
         data = cache.load(library.key)
-        built = _split(data) if data is not None else self._compile_all(
-            build_ir(compile_jobs()), library.speed)
-        return built[1::2]
+        if data is not None:
+            return _split(data)
+        return self._compile_all(build_ir(compile_jobs()), library.speed)[1]
 
     def object(self, ir_text: str, speed: int) -> bytes:
         """``ir_text`` parsed, verified, optimized at ``speed`` and compiled to an object."""
@@ -123,10 +123,11 @@ class Target:
         self.optimize(module, speed)
         return self.machine.emit_object(module)
 
-    def _compile_all(self, modules: list[Callable[[], str]], speed: int) -> list[bytes]:
-        """For each of ``modules`` (functions building LLVM IR) the sha256 of its IR and its
-        object, in one list: all but the first built and compiled in forked children
-        (llvmlite runs one LLVM call at a time per process), the first here meanwhile."""
+    def _compile_all(self, modules: list[Callable[[], str]],
+                     speed: int) -> tuple[list[bytes], list[bytes]]:
+        """The sha256 of each of ``modules``' IR (functions building LLVM IR) and its object:
+        all but the first built and compiled in forked children (llvmlite runs one LLVM call
+        at a time per process), the first here meanwhile."""
         def build(module: Callable[[], str]) -> bytes:
             text = module()
             return hashlib.sha256(text.encode()).digest() + self.object(text, speed)
@@ -137,7 +138,7 @@ class Target:
         finally:
             for child in children:
                 child.cancel()
-        return [part for one in out for part in (one[:32], one[32:])]
+        return [one[:32] for one in out], [one[32:] for one in out]
 
     def _module(self, ir_text: str) -> llvm.ModuleRef:
         """``ir_text`` parsed, for this target (O3 needs the data layout)."""
@@ -165,7 +166,10 @@ def compile_jobs() -> int:
     the cores this process may run on (1 under MPI, whose ranks share them, and where
     ``fork`` is missing)."""
     if os.environ.get("LATTE_COMPILE_JOBS"):
-        return max(1, int(os.environ["LATTE_COMPILE_JOBS"]))
+        jobs = os.environ["LATTE_COMPILE_JOBS"]
+        if not jobs.isdigit() or int(jobs) < 1:
+            raise ValueError(f"LATTE_COMPILE_JOBS={jobs!r}: expected a positive integer")
+        return int(jobs)
     if not hasattr(os, "fork") or any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK")):
         return 1
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -212,8 +216,7 @@ _COUNT = struct.Struct("<Q")
 
 
 def _join(objects: list[bytes]) -> bytes:
-    """One cache payload holding ``objects`` (byte strings): a count, then each length and
-    bytes."""
+    """One cache payload holding ``objects``: a count, then each length and object."""
     return b"".join([_COUNT.pack(len(objects))]
                     + [_COUNT.pack(len(o)) + o for o in objects])
 

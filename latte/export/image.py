@@ -117,9 +117,8 @@ def model_image(net) -> ModelImage:
                                lambda parts: llvm_ir(program.segments(), index, threads, parts))
     order = tuple(_loop(s, bufs.time_steps, memory, index) if isinstance(s, TimeSteps)
                   else s.name for s in plan.steps if not isinstance(s, HostStep))
-    return ModelImage(tuple(objects), tuple(s.name for s in segments), order, tuple(slots), len(index),
-                      arena,
-                      bytes(blob), net.batch_size,
+    return ModelImage(tuple(objects), tuple(s.name for s in segments), order, tuple(slots),
+                      len(index), arena, bytes(blob), net.batch_size,
                       _samples(net, plan.input, index), _samples(net, plan.output, index),
                       threads, 1 if program.opt_level >= 2 else threads)
 
