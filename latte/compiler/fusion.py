@@ -402,20 +402,24 @@ def _commutes(s, others: list) -> bool:
 
 
 def planner_chain(plans) -> list:
-    """The net's leading chain of (channels, rows, cols) ensembles as planner layers (the
-    model :mod:`~latte.compiler.planner` estimates traffic on)."""
-    chain = []
+    """The net's leading chain of (channels, rows, cols) ensembles, each reading the one
+    before, as planner layers (the model :mod:`~latte.compiler.planner` estimates traffic
+    on)."""
+    chain, last = [], None
     for plan in plans:
         ens = plan.ensemble
         if len(ens.shape) != 3:
             break
         if isinstance(ens, ActivationEnsemble):
+            if chain and ens.source is not last:
+                break
             chain.append(planner.layer(ens.name, "eltwise", ens.shape))
+            last = ens
             continue
         if len(plan.accesses) != 1 or plan.accesses[0].dims is None:
             break
         src, dims = plan.accesses[0].conn.source, plan.accesses[0].dims
-        if len(src.shape) != 3 or (chain and chain[-1].out_shape != tuple(src.shape)):
+        if len(src.shape) != 3 or (chain and src is not last):
             break
         kind = "pool" if dims[0].lo.coef("%0") else "conv"   # a pool reads its own channel
         row = dims[ROW_DIM]
@@ -428,4 +432,5 @@ def planner_chain(plans) -> list:
         if chain[-1].out_shape != tuple(ens.shape):   # not a square conv/pool: stop the model
             chain.pop()
             break
+        last = ens
     return chain
