@@ -90,7 +90,9 @@ def test_output_closed_by_its_reader_does_not_stop_training(tmp_path):
     script = tmp_path / "net.py"
     script.write_text(SCRIPT)
     out = tmp_path / "out"
-    env = {"LATTE_CACHE_DIR": str(tmp_path / "cache"), "OUT": str(out), "PRINTS": "2000"}
+    # 20,000 lines (~190 KB) outgrow a pipe's buffer (64 KiB), so the script writes after
+    # head has gone whatever the timing (2,000 lines fit in it: no write failed, seen once)
+    env = {"LATTE_CACHE_DIR": str(tmp_path / "cache"), "OUT": str(out), "PRINTS": "20000"}
     run = subprocess.Popen([sys.executable, "-m", "latte", "run", str(script)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            env={**os.environ, **env})
