@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import fill, fill_labels
+from helpers import WeightedSumLoss, fill, fill_labels
 
-from latte import Net
+from latte import Ensemble, Net, add_connections
 from latte.compiler import format_ir
 from latte.compiler.explain import explain_program
 from latte.compiler.ir import Gemm, walk
 from latte.stdlib import FullyConnectedLayer, MemoryDataLayer, ReLULayer, SoftmaxLossLayer, TanhLayer
+from latte.stdlib.convolution import UnbiasedNeuron
 
 BATCH = 8
 
@@ -116,3 +117,32 @@ def test_explain_reports_the_plan(plain_and_opt):
     fwd = format_ir(plain.program.plans[0].kernels["forward"])
     assert fwd.splitlines()[0] == "def fc1.forward():"
     assert "fc1.value[_n, _d0] += (fc1.weights[_d0, i_0] * x.value[_n, i_0])" in fwd
+
+
+def _padded_conv(opt_level: int) -> dict[str, np.ndarray]:
+    """A 3x3 convolution whose window reads 0.5 outside its input: its value and the
+    gradients of its input and weights."""
+    net = Net(2, opt_level=opt_level, seed=3)
+    x = MemoryDataLayer(net, "x", (2, 8, 8))
+    w = np.random.default_rng(4).standard_normal((4, 18)).astype(np.float32)
+    conv = Ensemble(net, "conv", UnbiasedNeuron, (4, 8, 8), weights=(w, lambda c, y, x_: c))
+    add_connections(net, x, conv, lambda c, y, x_: (range(2), range(y - 1, y + 2),
+                                                    range(x_ - 1, x_ + 2)), padding=0.5)
+    WeightedSumLoss(net, "loss", conv)
+    net.init()
+    fill(net, x, np.random.default_rng(5))
+    net.forward()
+    net.backward()
+    assert bool(_gemms(net, "conv", "forward")) == (opt_level > 0)   # gathered, then GEMMs
+    return {"value": net.value(conv), "grad:x": net.grad(x),
+            "grad:weights": net.params[0].grad}
+
+
+@pytest.mark.parametrize("opt_level", [1, 3])
+def test_gathered_windows_keep_their_padding_value(opt_level):
+    """Data-copy gathers a window into a tile for the GEMM: where the window leaves its
+    input, the tile holds the connection's padding value (it held 0.0, whatever the
+    padding: random case 2781)."""
+    want, got = _padded_conv(0), _padded_conv(opt_level)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-5, err_msg=key)

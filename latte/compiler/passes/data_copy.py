@@ -119,11 +119,19 @@ def _copy(s: Loop, bufs, key: tuple):
     if not _is_gemm(compute):
         return None
     value = aug.value.lhs if i == 0 else aug.value.rhs
-    guard, load = (value.cond, value.if_true) if isinstance(value, Select) else (None, value)
-    gather = _split_guard(order, guard, lambda cond: Assign(ref, (
-        load if cond is True else Const(0.0) if cond is False else Select(cond, load, Const(0.0)))),
-        outer + inner)
-    return nest(outer, gather, compute)
+    return nest(outer, _gather(order, ref, value, outer + inner), compute)
+
+
+def _gather(order: list[Loop], ref: Ref, value, loops: list[Loop]):
+    """The nest ``order`` storing ``value`` (a window load, possibly behind a padding guard)
+    into the tile ``ref``. The tile must hold what ``value`` reads at every point: where the
+    guard fails, that is the ``Select``'s other branch (the connection's padding value,
+    which need not be zero)."""
+    if not isinstance(value, Select):
+        return _split_guard(order, None, lambda cond: Assign(ref, value), loops)
+    load, pad = value.if_true, value.if_false
+    return _split_guard(order, value.cond, lambda cond: Assign(ref, (
+        load if cond is True else pad if cond is False else Select(cond, load, pad))), loops)
 
 
 def _split_guard(order: list[Loop], guard, make, loops: list[Loop]):
