@@ -125,9 +125,10 @@ def test_tile_metadata_records_the_dependence_along_the_tiled_dimension():
 
 def test_tiles_are_the_smallest_wide_enough_for_a_gemm():
     """A row of the conv is 16 wide, so a tile needs 16 rows for MIN_TILE (256) elements per
-    channel: of 18 or 24 rows, the smallest such divisor is the whole image; of 32, 16."""
-    assert heights(12, lambda t: t * 64 >= MIN_TILE) == [4, 6, 12, 3, 2, 1]
-    assert heights(7, lambda t: False) == [7, 1]
+    channel: of 18 or 24 rows, the smallest such divisor is the whole image; of 32, 16. With no
+    divisor wide enough, the whole extent is the only candidate."""
+    assert heights(12, lambda t: t * 64 >= MIN_TILE) == [4, 6, 12]
+    assert heights(7, lambda t: False) == [7]
     for rows, want in ((18, 18), (24, 24), (32, 16)):
         net = Net(2, opt_level=2, seed=0)
         x = MemoryDataLayer(net, "x", (3, rows, 16))

@@ -222,7 +222,8 @@ def _rows(chain: list, budget: int, max_lag: int, fixed: dict) -> tuple[dict, in
     pairs = list(zip(chain, chain[1:]))   # (producer, consumer)
     scale = math.prod(_scale(p, q.ensemble) for q, p in pairs)
     first = chain[0].ensemble.shape
-    for r in heights(last, lambda r: r * scale * math.prod(first[ROW_DIM + 1:]) >= MIN_TILE):
+    order = heights(last, lambda r: r * scale * math.prod(first[ROW_DIM + 1:]) >= MIN_TILE)
+    for r in order:
         tiles, sizes = last // r, [r]
         for prod, plan in reversed(pairs):
             sizes.insert(0, sizes[0] * _scale(plan, prod.ensemble))
@@ -241,8 +242,8 @@ def _rows(chain: list, budget: int, max_lag: int, fixed: dict) -> tuple[dict, in
             for key, n in mine.items():
                 boxes[key] = max(boxes.get(key, 0), n)
         total = sum(boxes.values()) * FLOAT_BYTES
-        # the smallest tile may overflow only by what one member overflows on its own
-        if total <= budget or (r == 1 and total - max(own) <= budget):
+        # the first choice may overflow only by what one member overflows on its own
+        if total <= budget or (r == order[0] and total - max(own) <= budget):
             return {p.ensemble: s for p, s in zip(chain, sizes)}, total, links
     return None
 

@@ -59,7 +59,8 @@ class Target:
 
     @staticmethod
     def _register_symbols():
-        llvm.add_symbol("scipy_cblas_sgemm", ctypes.cast(blas().scipy_cblas_sgemm, ctypes.c_void_p).value)
+        for name in ("scipy_cblas_sgemm", "scipy_cblas_sgemv"):
+            llvm.add_symbol(name, ctypes.cast(getattr(blas(), name), ctypes.c_void_p).value)
         libm = ctypes.CDLL(ctypes.util.find_library("m"))
         for name in ("logf", "sqrtf", "floorf"):
             llvm.add_symbol(name, ctypes.cast(getattr(libm, name), ctypes.c_void_p).value)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from latte.compiler.blas import blas
 from latte.compiler.cache import write_atomic
-from latte.compiler.codegen import SGEMM
+from latte.compiler.codegen import SGEMM, SGEMV
 from latte.compiler.jit import openmp
 from latte.errors import ExportError
 from latte.export import csource
@@ -47,7 +47,7 @@ def build(image: ModelImage, directory: Path, origin: str) -> list[Path]:
         (work / "exports.map").write_text(_VERSION_SCRIPT)
         (work / csource.HEADER).write_text(header)
         (work / "driver.c").write_text(csource.driver(image, str(work / "blob.bin"),
-                                                      _calls(image.objects, SGEMM)))
+                                                      _calls(image.objects, SGEMM, SGEMV)))
         out = work / LIBRARY
         cmd = [cc, "-shared", "-fPIC", "-O2", "-fvisibility=hidden", "-o", str(out),
                str(work / "driver.c"), *map(str, objects),
@@ -74,9 +74,9 @@ def _compiler() -> str:
 def _native_libraries(objects: tuple[bytes, ...]) -> list[tuple[str, str]]:
     """The shared libraries the objects' undefined symbols come from (looked up in their
     string table), each as its file and its soname (the name the copy must have):
-    OpenBLAS for sgemm, libgomp for parallel loops. libm and libc are the system's."""
+    OpenBLAS for sgemm and sgemv, libgomp for parallel loops. libm and libc are the system's."""
     found = []
-    if _calls(objects, SGEMM):
+    if _calls(objects, SGEMM, SGEMV):
         found.append((blas()._name, os.path.basename(blas()._name)))
     if _calls(objects, "GOMP_parallel"):
         gomp = openmp()
@@ -100,10 +100,10 @@ def _loaded_path(name: str) -> str:
     raise ExportError(f"cannot export: the file of {name} is not found")
 
 
-def _calls(objects: tuple[bytes, ...], symbol: str) -> bool:
-    """Whether an object names ``symbol`` (their only global symbols are the segments they
-    define and the functions they call)."""
-    return any(b"\0" + symbol.encode() + b"\0" in obj for obj in objects)
+def _calls(objects: tuple[bytes, ...], *symbols: str) -> bool:
+    """Whether an object names one of ``symbols`` (their only global symbols are the segments
+    they define and the functions they call)."""
+    return any(b"\0" + s.encode() + b"\0" in obj for obj in objects for s in symbols)
 
 
 def _write(path: Path, data: bytes, mode: int = 0o644) -> None:

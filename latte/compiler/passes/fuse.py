@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
-
 from latte.compiler.ir import Block, Kernel, Loop, accesses
-from latte.compiler.passes.tiling import tile_loop
+from latte.compiler.passes.tiling import tile_loop, tile_rows
 
 
 def fuse_nests(kernel: Kernel) -> Kernel:
@@ -45,39 +43,8 @@ def _legal(a: Loop, b: Loop) -> bool:
     rows = set()
     for x in in_a + in_b:
         if x.buffer in shared:
-            r = _tile_rows(x, a.var, tile.var)
+            r = tile_rows(x, a.var, tile.var)
             if r is None:
                 return False
             rows.add(r)
     return len(rows) <= 1
-
-
-def _tile_rows(x, batch: str, tile: str) -> tuple[int, int] | None:
-    """``(dim, rows per tile)`` if access ``x`` touches, in tile ``t`` of a batch item, only
-    rows ``[t * rows, (t + 1) * rows)`` of one dimension of its buffer (and nothing of other
-    items)."""
-    buf, off, loops = x.buffer, x.offset, {v: (start, stop) for v, start, stop in x.loops}
-    if off is None or not buf.batched or off.coef(batch) != buf.size // buf.shape[0]:
-        return None
-    terms = [(c, loops[v]) for v, c in off.terms if v not in (batch, tile) and v in loops]
-    terms += [(c, (0, e)) for c, e in x.block]
-    if (any(v not in loops for v, _ in off.terms)
-            or np.prod([stop - start for _, (start, stop) in terms]) > 1 << 22):
-        return None
-    if loops[tile][1] - loops[tile][0] == 1:
-        return 0, 0   # one tile: the batch item is the unit
-    addr = np.array([off.const])
-    for c, (start, stop) in terms:
-        addr = (addr[:, None] + c * np.arange(start, stop)).ravel()
-    if addr.min() < 0 or addr.max() + off.coef(tile) >= buf.size:
-        return None
-    here = np.unravel_index(addr, buf.shape)
-    there = np.unravel_index(addr + off.coef(tile), buf.shape)
-    moved = [d for d in range(1, len(buf.shape)) if not np.array_equal(here[d], there[d])]
-    if len(moved) != 1:
-        return None
-    (d,) = moved
-    step = np.unique(there[d] - here[d])
-    if len(step) != 1 or here[d].min() != 0 or here[d].max() >= step[0]:
-        return None
-    return d, int(step[0])

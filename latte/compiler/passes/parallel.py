@@ -38,7 +38,7 @@ from latte.compiler.ir import (
     walk,
     written_refs,
 )
-from latte.compiler.passes.tiling import is_batch_loop, tile_loop
+from latte.compiler.passes.tiling import is_batch_loop, tile_loop, tile_rows
 
 MIN_GEMM_FLOPS = 1 << 21     # smaller GEMMs are not worth a fork-join
 MIN_FLAT = 1 << 15           # iterations of a loop worth splitting across threads
@@ -110,7 +110,8 @@ def _batch_nest(nest: Loop, bufs) -> list:
     # a skewed tile loop's tiles depend on earlier ones
     if tile is not None and not dict(tile.meta).get("skew") and all(
             _disjoint_tiles(a.offset, a.span, tile.var, extents)
-            for a in _stores(tile) if a.buffer not in private):
+            or tile_rows(a, nest.var, tile.var) is not None
+            for a in _stores(nest) if a.buffer not in private):
         collapse = 2
     copies = {b: bufs.private(b) for b in private}
     body = rewrite(nest.body, lambda n: _privatize(n, copies))

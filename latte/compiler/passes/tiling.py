@@ -4,9 +4,10 @@ The tiled dimension is the outermost ensemble dimension along which a connection
 sliding window (a sink loop variable and an input loop variable meet in one index: ``y`` of
 a convolution or a pooling). The tile loop moves right under the batch loop, so that
 ``(batch, tile)`` is the unit of work that data-copy and parallelization see. The tile height
-is a divisor of the extent whose working set (every buffer region one tile touches, gathered
-windows included) fits the cache budget: the smallest with ``MIN_TILE`` elements per channel
-(:func:`heights`), else the largest that fits.
+is a divisor of the extent with at least ``MIN_TILE`` elements per channel (:func:`heights`;
+the whole extent where none has): the smallest whose working set (every buffer region one
+tile touches, gathered windows included, but not what every tile reads alike, the weights)
+fits the cache budget, else the smallest.
 
 The tile loop records the dependence along the tiled dimension in ``meta``, printed with the
 IR (``LATTE_DUMP=ir``, ``latte explain``): ``tile_size``, ``scale`` (source rows advanced per
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+
+import numpy as np
 
 from latte.compiler.ir import (
     Affine,
@@ -42,10 +45,10 @@ MIN_TILE = 256
 
 
 def heights(extent: int, wide) -> list[int]:
-    """The divisors of ``extent`` as tile heights to try, best first: those for which
-    ``wide(height)`` holds from the smallest up, then the others from the tallest down."""
-    sizes = [t for t in range(1, extent + 1) if extent % t == 0]
-    return [t for t in sizes if wide(t)] + [t for t in reversed(sizes) if not wide(t)]
+    """The tile heights to try, best first: the divisors of ``extent`` for which
+    ``wide(height)`` holds, from the smallest up; none wide, the whole extent alone (a GEMM
+    over a narrower tile runs below speed, and its weights are streamed once per tile)."""
+    return [t for t in range(1, extent + 1) if extent % t == 0 and wide(t)] or [extent]
 
 
 def tile_loops(kernel: Kernel, budget: int, forced: tuple[int, int] | None = None) -> Kernel:
@@ -116,9 +119,9 @@ def _tile(nest: Loop, budget: int, forced: tuple[int, int] | None) -> Loop:
         return nest
     extents = {n.var: n.extent for n in walk(nest) if isinstance(n, Loop)}
     row = math.prod(c.extent for c in chain[chain.index(lp) + 1:])
+    order = heights(lp.extent, lambda t: t * row >= MIN_TILE)
     size = forced[1] if forced else next(
-        (t for t in heights(lp.extent, lambda t: t * row >= MIN_TILE)
-         if footprint(nest, extents, nest.var, lp.var, t) <= budget), 1)
+        (t for t in order if footprint(nest, extents, nest.var, lp.var, t) <= budget), order[0])
     scale = abs(comps[0].coef(lp.var))
     reach = sum(abs(c) * (extents[v] - 1) for v, c in comps[0].terms if v != lp.var)
     return _split(nest, lp, size, (("tile_size", size), ("scale", scale), ("halo", reach + 1 - scale)))
@@ -150,7 +153,7 @@ def tile_boxes(nest: Loop, extents: dict[str, int], batch: str, tiled: str, size
     window = window_vars(nest)
     boxes: dict = {}
     for r in walk(nest):
-        if isinstance(r, Ref):
+        if isinstance(r, Ref) and any(isinstance(c, Affine) and c.coef(tiled) for c in r.index):
             vol = 1
             for c, extent in zip(r.index, r.view):
                 if isinstance(c, Affine):
@@ -168,3 +171,34 @@ def tile_boxes(nest: Loop, extents: dict[str, int], batch: str, tiled: str, size
                     used = {v for c in e.ref.index if isinstance(c, Affine) for v in c.vars} - {batch}
                     boxes[e] = math.prod(ext.get(v, 1) for v in used)
     return boxes
+
+
+def tile_rows(x, batch: str, tile: str) -> tuple[int, int] | None:
+    """``(dim, rows per tile)`` if access ``x`` touches, in tile ``t`` of a batch item, only
+    rows ``[t * rows, (t + 1) * rows)`` of one dimension of its buffer (and nothing of other
+    items)."""
+    buf, off, loops = x.buffer, x.offset, {v: (start, stop) for v, start, stop in x.loops}
+    if off is None or not buf.batched or off.coef(batch) != buf.size // buf.shape[0]:
+        return None
+    terms = [(c, loops[v]) for v, c in off.terms if v not in (batch, tile) and v in loops]
+    terms += [(c, (0, e)) for c, e in x.block]
+    if (any(v not in loops for v, _ in off.terms)
+            or np.prod([stop - start for _, (start, stop) in terms]) > 1 << 22):
+        return None
+    if loops[tile][1] - loops[tile][0] == 1:
+        return 0, 0   # one tile: the batch item is the unit
+    addr = np.array([off.const])
+    for c, (start, stop) in terms:
+        addr = (addr[:, None] + c * np.arange(start, stop)).ravel()
+    if addr.min() < 0 or addr.max() + off.coef(tile) >= buf.size:
+        return None
+    here = np.unravel_index(addr, buf.shape)
+    there = np.unravel_index(addr + off.coef(tile), buf.shape)
+    moved = [d for d in range(1, len(buf.shape)) if not np.array_equal(here[d], there[d])]
+    if len(moved) != 1:
+        return None
+    (d,) = moved
+    step = np.unique(there[d] - here[d])
+    if len(step) != 1 or here[d].min() != 0 or here[d].max() >= step[0]:
+        return None
+    return d, int(step[0])
