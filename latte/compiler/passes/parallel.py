@@ -7,6 +7,9 @@
 - Buffers the nest accumulates into without the batch index (weight and bias gradients)
   become thread-private copies, zeroed before the loop and reduced after it in thread
   order, so results do not depend on timing.
+- Where ``batch x tiles`` has fewer items than threads (one image), the threads share each
+  statement of a tile instead (:func:`_within`): its GEMM split, its loops over channels
+  run in parallel where their iterations store to disjoint elements.
 - A GEMM outside any loop (a fully connected layer over the whole batch) is split into
   one slice of its larger dimension per thread; every sgemm call runs on one BLAS thread.
 - Flat loops over large buffers (zeroing, the SGD update) are split into chunks.
@@ -35,6 +38,7 @@ from latte.compiler.ir import (
     Var,
     accesses,
     rewrite,
+    substitute,
     walk,
     written_refs,
 )
@@ -42,6 +46,7 @@ from latte.compiler.passes.tiling import is_batch_loop, tile_loop, tile_rows
 
 MIN_GEMM_FLOPS = 1 << 21     # smaller GEMMs are not worth a fork-join
 MIN_FLAT = 1 << 15           # iterations of a loop worth splitting across threads
+MIN_SHARE = 1                # (batch item, tile) pairs per thread that a flat loop needs
 
 
 def parallelize(kernel: Kernel, bufs) -> Kernel:
@@ -103,8 +108,6 @@ def _batch_nest(nest: Loop, bufs) -> list:
     # in order of first store: a set of buffers (hashed by address) would order the copies,
     # and with them the generated code, differently in every process
     private = list(dict.fromkeys(a.buffer for a in _stores(nest) if not per_item(a, nest.var)))
-    if not all(_only_accumulated(nest, b) for b in private):
-        return [nest]
     collapse = 1
     tile = tile_loop(nest)
     # a skewed tile loop's tiles depend on earlier ones
@@ -113,12 +116,66 @@ def _batch_nest(nest: Loop, bufs) -> list:
             or tile_rows(a, nest.var, tile.var) is not None
             for a in _stores(nest) if a.buffer not in private):
         collapse = 2
+    items = nest.extent * (tile.extent if collapse == 2 else 1)
+    if items < bufs.threads * MIN_SHARE or not all(_only_accumulated(nest, b) for b in private):
+        return [_within(nest, bufs.threads)]
     copies = {b: bufs.private(b) for b in private}
     body = rewrite(nest.body, lambda n: _privatize(n, copies))
     out = [_flat(p, f"_pz{i}", Const(0.0)) for i, p in enumerate(copies.values())]
     out.append(parallel(replace(nest, body=body), collapse))
     out += [_reduce(b, p, bufs.threads, f"_pr{i}") for i, (b, p) in enumerate(copies.items())]
     return out
+
+
+def _within(nest: Loop, threads: int) -> Loop:
+    """``nest`` with its batch and tile loops serial, and each statement in a tile shared by
+    the threads: a GEMM split into slices, a loop whose iterations store to disjoint elements
+    (:func:`_disjoint_iterations`) run as a parallel loop. For a batch too small to feed the
+    threads (one image), or accumulations that cannot be privatized. Every statement runs
+    whole before the next one starts, as in the serial nest, so the tile buffers are shared
+    by the threads (slot 0) instead of one per thread."""
+    def share(loop: Loop) -> Loop:
+        stmts = []
+        for s in loop.body.stmts:
+            if loop.kind is not LoopKind.TILE_OUTER and tile_loop(loop) is s:
+                s = share(s)
+            elif isinstance(s, Gemm):
+                s = split_gemm(s, threads)
+            elif isinstance(s, Loop) and _work(s) >= MIN_FLAT and _disjoint_iterations(s):
+                s = parallel(s, 1)
+            stmts.append(s)
+        return replace(loop, body=Block(tuple(stmts)))
+    return share(substitute(nest, {TID: Affine()}))
+
+
+def _disjoint_iterations(loop: Loop) -> bool:
+    """No iteration of ``loop`` touches an element another one stores to: every buffer it
+    stores to is accessed (loaded and stored) through one and the same index component that
+    advances with ``loop.var`` by more than the loops inside ``loop`` move it. Sound because
+    every index component is proven inside its view's extent (the verifier)."""
+    inner = {n.var: n.extent for n in walk(loop.body) if isinstance(n, Loop)}
+    if any(isinstance(n, Gemm) for n in walk(loop.body)) or not _own_locals(loop):
+        return False
+    written = {a.buffer for a in accesses(loop) if a.written}
+    for buf in written:
+        index = {(a.index, a.view) for a in accesses(loop) if a.buffer is buf}
+        if len(index) != 1 or None in next(iter(index)):
+            return False
+        ((idx, _),) = index
+        if not any(isinstance(c, Affine) and c.coef(loop.var)
+                   and sum(abs(k) * (inner[v] - 1) for v, k in c.terms if v in inner)
+                   < abs(c.coef(loop.var)) for c in idx):
+            return False
+    return True
+
+
+def _own_locals(loop: Loop) -> bool:
+    """Every local ``loop`` reads is one it assigns (a parallel body starts with fresh
+    locals)."""
+    assigned = {n.target.name for n in walk(loop)
+                if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Var)}
+    loop_vars = {n.var for n in walk(loop) if isinstance(n, Loop)}
+    return all(n.name in assigned | loop_vars for n in walk(loop) if isinstance(n, Var))
 
 
 def _only_accumulated(nest, buf) -> bool:
