@@ -40,6 +40,9 @@ def openmp() -> ctypes.CDLL | None:
     return None
 
 
+NO_GATHER = ",+prefer-no-gather,+prefer-no-scatter"
+
+
 class Target:
     """Host target machine, optimization pipeline and symbol table (created once)."""
 
@@ -47,7 +50,9 @@ class Target:
         llvm.initialize_native_target()
         llvm.initialize_native_asmprinter()
         self.cpu = llvm.get_host_cpu_name()
-        self.features = llvm.get_host_cpu_features().flatten()
+        # the loop nests keep a unit stride innermost: vectorizing an outer loop with gathers
+        # and scatters (LLVM does on znver4 once it unrolls the inner one) runs 10x slower
+        self.features = llvm.get_host_cpu_features().flatten() + NO_GATHER
         self.machine = self.new_machine()
         self._register_symbols()
 
