@@ -559,3 +559,37 @@ def test_a_mapping_outside_the_source_without_padding_raises():
     add_connections(net, x, e, lambda i: (i + 1,))
     with pytest.raises(MappingError, match=r"sink neuron \(3,\) of 'win' reads \(4,\) outside"):
         Reference(net).forward({"x": np.zeros((B, 4))})
+
+
+class CancelNeuron(Neuron):
+    """An ``if`` on x * x - x * x: 0 in float64, the sign of a rounding error in float32
+    with fused multiply-adds (as in random case 1287)."""
+
+    def forward(self):
+        a = self.inputs[0][0] * self.inputs[0][0] - self.inputs[1][0] * self.inputs[1][0]
+        if a > 0.0:
+            self.value = 1.0
+        else:
+            self.value = 2.0 * self.inputs[0][0]
+
+
+def test_jitter_perturbs_what_float32_rounds():
+    """Two references with one jitter seed and opposite jitters take opposite sides of an
+    ``if`` on a difference that is zero but for rounding, in every lane (what the random
+    tester looks for); 2 x of a float32 x, which float32 holds exactly, is not perturbed."""
+    net = Net(B)
+    x = MemoryDataLayer(net, "x", (4,))
+    e = Ensemble(net, "e", CancelNeuron, (4,))
+    add_connections(net, x, e, lambda i: (i,))
+    add_connections(net, x, e, lambda i: (i,))
+    feed = {"x": np.random.default_rng(0).standard_normal((B, 4)).astype(np.float32)}
+    values = []
+    for jitter in (0.0, 1e-7, -1e-7):
+        ref = Reference(net)
+        ref.jitter, ref.jitter_seed = jitter, 5
+        ref.forward(feed)
+        values.append(ref.values["e"])
+    np.testing.assert_array_equal(values[0], 2.0 * feed["x"])
+    flipped = values[1] == 1.0
+    np.testing.assert_array_equal(flipped, values[2] != 1.0)
+    np.testing.assert_array_equal(np.where(flipped, values[2], values[1]), values[0])

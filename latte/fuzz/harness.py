@@ -5,7 +5,8 @@ against the reference interpreter (float64, straight from the lang objects).
 parameters and inputs, and compares forward values, every ensemble's gradient, every
 parameter gradient and the parameters after each of three SGD steps; level 0 against the
 reference one step at a time (from level 0's parameters), skipping entries that hang on a
-near-tie (see :func:`_reference_step`). Nets compile with ``LATTE_CHECK_BOUNDS=1``.
+near-tie; both comparisons allow each entry the difference that rounding alone makes to it
+(see :func:`_reference_step`). Nets compile with ``LATTE_CHECK_BOUNDS=1``.
 Mismatches are returned as :class:`Mismatch` records naming their case's seed.
 """
 
@@ -32,6 +33,8 @@ TOL_LEVELS = 1e-4               # float32 against float32, relative to the array
 TOL_REFERENCE = 2e-4            # float32 against float64
 ATOL = 1e-5                     # float32 rounding of what an array's tiny entries sum
 NUDGE = 1e-5                    # a nudge that shows which entries hang on a near-tie
+JITTER = 4 * 2.0**-24           # a perturbation of every computed value, the size of what
+                                # float32 rounds it by (2**-24 at most; exp, tanh: 2 ulp)
 
 
 @dataclass(frozen=True)
@@ -54,16 +57,24 @@ def _errors(got, want, tol: float) -> tuple[np.ndarray, float, float]:
     """Per-entry errors, the bound they must stay under and ``want``'s scale (the bound is
     relative to it)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    scale = max(float(np.abs(want).max()), 1e-2)
+    bound, scale = _bound(want, tol)
     err = np.abs(got - want)
     err[np.isnan(got) != np.isnan(want)] = np.inf
-    return np.nan_to_num(err, nan=0.0), tol * scale + ATOL, scale
+    return np.nan_to_num(err, nan=0.0), bound, scale
+
+
+def _bound(want: np.ndarray, tol: float) -> tuple[float, float]:
+    """The bound of errors against ``want`` and its scale (the bound is relative to it)."""
+    scale = max(float(np.abs(want).max()), 1e-2)
+    return tol * scale + ATOL, scale
 
 
 def _compare(out: list, what: str, name: str, got, want, tol: float, against: str,
-             fragile: np.ndarray | None = None, floor: float = 0.0) -> None:
-    """Record a mismatch of ``got`` against ``want``, ignoring ``fragile`` entries and
-    errors under ``floor`` (the rounding of a parameter gradient's sum)."""
+             fragile: np.ndarray | None = None, floor: float = 0.0,
+             spread: np.ndarray | None = None) -> None:
+    """Record a mismatch of ``got`` against ``want``, ignoring ``fragile`` entries, errors
+    under ``floor`` (the rounding of a parameter gradient's sum) and, per entry, as much
+    error as ``spread`` (how far rounding moves it, see :func:`_reference_step`)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     if got.shape != want.shape:
         out.append(Mismatch(case_of(name), f"{what} {name} shape {got.shape} vs {want.shape}",
@@ -74,9 +85,12 @@ def _compare(out: list, what: str, name: str, got, want, tol: float, against: st
     err, bound, scale = _errors(got, want, tol)
     if fragile is not None:
         err[fragile] = 0.0
-    if err.max() > max(bound, floor):
-        idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(err)), err.shape))
-        out.append(Mismatch(case_of(name), f"{what} {name}", against, float(err.max()), scale, idx))
+    excess = err if spread is None else err - spread
+    if excess.max() > max(bound, floor):
+        worst = int(np.argmax(excess))
+        idx = tuple(int(i) for i in np.unravel_index(worst, err.shape))
+        out.append(Mismatch(case_of(name), f"{what} {name}", against, float(err.flat[worst]),
+                            scale, idx))
 
 
 def build(seeds: list[int], cfg: Config, level: int, loss: Callable | None = None,
@@ -128,12 +142,14 @@ def check_cases(seeds: list[int], *, level: int | None = None, reference: bool =
         q.value[...] = p.value
     feeds = [_inputs(rngs, base, cases) for _ in range(STEPS + 1)]
     refs = _references(base) if reference else None
+    spread: dict = {}   # (store, name) -> how far rounding moves each entry, this step
     nudges = np.random.default_rng([*seeds, 11])
     labels = {e.name for c in cases for e, _ in c.labels}   # class indices: never nudged
     out: list[Mismatch] = []
     against = (f"level 0 (level {level}, batch {cfg.batch}, {cfg.time_steps} time step(s), "
                f"{cfg.threads} thread(s))")
     lr = None
+    tol = TOL_LEVELS * cfg.time_steps
     for step, feed in enumerate(feeds):
         start = time.process_time()
         for net in (base, opt):
@@ -141,57 +157,112 @@ def check_cases(seeds: list[int], *, level: int | None = None, reference: bool =
                 net.value(name)[...] = x
             net.forward(Phase.TRAIN)
             net.backward()
-        _compare_nets(out, f"step {step}", base, opt, TOL_LEVELS * cfg.time_steps, against)
         timings["run"] = timings.get("run", 0.0) + time.process_time() - start
         if refs is not None:
             start = time.process_time()
-            fragile = _reference_step(out, refs, base, feed, labels, step, nudges)
+            spread, fragile = _reference_step(out, refs, base, feed, labels, step, nudges)
             timings["reference"] = timings.get("reference", 0.0) + time.process_time() - start
+        _compare_nets(out, f"step {step}", base, opt, tol, against, spread)
         if step == STEPS:
             break
         if lr is None:   # steps of at most LR per element: random nets are steep
             lr = LR / max([1.0, *(float(np.abs(p.grad).max()) for p in base.params)])
         for net in (base, opt):
             net.update(lr, *SGD)
-        for p, q in zip(base.params, opt.params):
-            _compare(out, f"step {step} update", p.name, q.value, p.value,
-                     TOL_LEVELS * cfg.time_steps, against)
+        _compare_updates(out, f"step {step} update", base, opt, tol, against, spread)
         if refs is not None:
             _reference_update(out, refs[0], base, step, lr, fragile)
     return out
 
 
-def _compare_nets(out, what: str, base: Net, opt: Net, tol: float, against: str) -> None:
+def _compare_nets(out, what: str, base: Net, opt: Net, tol: float, against: str,
+                  spread: dict) -> None:
+    """Compare ``opt``'s values and gradients with ``base``'s, allowing each entry its
+    ``spread`` (``(store, name)`` -> array)."""
     for e in _computed(base):
-        _compare(out, f"{what} value", e.name, opt.value(e.name), base.value(e), tol, against)
+        _compare(out, f"{what} value", e.name, opt.value(e.name), base.value(e), tol, against,
+                 spread=spread.get(("values", e.name)))
         if not isinstance(e, DataEnsemble) or getattr(e, "needs_grad", False):
-            _compare(out, f"{what} grad", e.name, opt.grad(e.name), base.grad(e), tol, against)
+            _compare(out, f"{what} grad", e.name, opt.grad(e.name), base.grad(e), tol, against,
+                     spread=spread.get(("grads", e.name)))
     for p, q in zip(base.params, opt.params):
         _compare(out, f"{what} param grad", p.name, q.grad, p.grad, tol, against,
-                 floor=sum_rounding(base, p))
+                 floor=sum_rounding(base, p), spread=spread.get(("param_grads", p.name)))
+
+
+def _compare_updates(out, what: str, base: Net, opt: Net, tol: float, against: str,
+                     spread: dict) -> None:
+    """Compare ``opt``'s parameters after an update with ``base``'s; where rounding moved
+    a gradient entry past the bound, skip them and give ``opt`` ``base``'s (the next steps
+    compare from there)."""
+    for p, q in zip(base.params, opt.params):
+        skip = _past(p.grad, spread.get(("param_grads", p.name)), tol)
+        _compare(out, what, p.name, q.value, p.value, tol, against, skip)
+        q.value[skip] = p.value[skip]
+        q.history[skip] = p.history[skip]
+
+
+def _past(want, spread: np.ndarray | None, tol: float) -> np.ndarray:
+    """The entries of ``want`` whose ``spread`` exceeds the bound of ``tol``."""
+    if spread is None:
+        return np.zeros(np.shape(want), bool)
+    return spread > _bound(want, tol)[0]
 
 
 def _references(net: Net) -> list | None:
-    """Three reference interpreters (or None while ``latte.reference`` is not there): one
-    for the comparison, two that run on inputs and parameters nudged by +-NUDGE."""
+    """Five reference interpreters (or None while ``latte.reference`` is not there): one
+    for the comparison, two that run on inputs and parameters nudged by +-NUDGE, two that
+    perturb every value they compute by +-JITTER."""
     try:
         from latte.reference import Reference
     except ImportError:
         return None
-    return [Reference(net) for _ in range(3)]
+    refs = [Reference(net) for _ in range(5)]
+    refs[3].jitter, refs[4].jitter = JITTER, -JITTER
+    return refs
 
 
 def _reference_step(out: list, refs: list, base: Net, feed: dict, labels: set, step: int,
-                    rng: np.random.Generator) -> dict[str, np.ndarray]:
+                    rng: np.random.Generator) -> tuple[dict, dict]:
     """Run one step of level 0 on the references (from level 0's parameters, momenta and
-    dropout masks), compare, and return the fragile entries of each parameter gradient.
-    Entries on which the nudged references disagree with the plain one are fragile, not
-    compared: there a max or an ``if`` decides on a near-tie,
-    which float32 and float64 may break differently."""
+    dropout masks), compare, and return ``(spread, fragile)``, each ``(store, name)`` ->
+    array. ``spread``: how far the jittered references move each entry, what rounding
+    alone may change (an exact tie or an ``if`` on a sum that is zero but for rounding
+    moves all the way to the other side; a sum of large terms that cancel, as far as
+    their rounding goes); an entry may differ by that much more than the bound. The two
+    break a tie two ways: one among more entries may go to a third (case 4794). Entries on
+    which the nudged references disagree with the plain one, or that rounding moves past
+    the bound, are fragile: a max or an ``if`` decides on a near-tie there, which float32
+    and float64 may break differently; level 0's update is not compared there."""
+    _run_references(refs, base, feed, labels, rng, step)
+    ref, nudged, jittered = refs[0], refs[1:3], refs[3:]
+    spread, fragile = {}, {}
+
+    def check(what: str, name: str, got, store: str, floor: float = 0.0) -> None:
+        want = getattr(ref, store)[name]
+        spread[store, name] = _spread(jittered, store, name, want)
+        near_tie = _past(want, _spread(nudged, store, name, want), TOL_REFERENCE)
+        fragile[store, name] = near_tie | _past(want, spread[store, name], TOL_REFERENCE)
+        _compare(out, f"step {step} {what}", name, got, want, TOL_REFERENCE, "reference",
+                 near_tie, floor, spread[store, name])
+
+    for e in _computed(base):
+        check("value", e.name, base.value(e), "values")
+        check("grad", e.name, base.grad(e), "grads")
+    for p in base.params:
+        check("param grad", p.name, p.grad, "param_grads", sum_rounding(base, p))
+    return spread, fragile
+
+
+def _run_references(refs: list, base: Net, feed: dict, labels: set,
+                    rng: np.random.Generator, step: int) -> None:
+    """One forward and backward of each reference from level 0's state: the plain one, the
+    nudged ones (parameters by NUDGE relative, inputs by NUDGE absolute: tiny inputs decide
+    ties too) and the jittered ones (the step's jitter factors, opposite signs)."""
     arrays = {**{p.name: p.value for p in base.params}, **feed}
-    # parameters by NUDGE relative, inputs by NUDGE absolute (tiny inputs decide ties too)
     nudge = {k: NUDGE * rng.standard_normal(v.shape) for k, v in arrays.items()}
-    for sign, ref in zip((0, 1, -1), refs):
+    for sign, ref in zip((0, 1, -1, 0, 0), refs):
+        ref.jitter_seed = step
         for p in base.params:
             ref.params[p.name][...] = p.value * (1.0 + sign * nudge[p.name])
             ref.history[p.name][...] = p.history
@@ -201,23 +272,11 @@ def _reference_step(out: list, refs: list, base: Net, feed: dict, labels: set, s
         ref.forward({k: x + (0.0 if k in labels else sign * nudge[k]) for k, x in feed.items()},
                     phase=Phase.TRAIN)
         ref.backward()
-    ref = refs[0]
 
-    def check(what: str, name: str, got, store: str, floor: float = 0.0) -> np.ndarray:
-        want = getattr(ref, store)[name]
-        fragile = np.zeros(np.shape(want), bool)
-        for other in refs[1:]:
-            err, bound, _ = _errors(getattr(other, store)[name], want, TOL_REFERENCE)
-            fragile |= err > bound
-        _compare(out, f"step {step} {what}", name, got, want, TOL_REFERENCE, "reference", fragile,
-                 floor)
-        return fragile
 
-    for e in _computed(base):
-        check("value", e.name, base.value(e), "values")
-        check("grad", e.name, base.grad(e), "grads")
-    return {p.name: check("param grad", p.name, p.grad, "param_grads", sum_rounding(base, p))
-            for p in base.params}
+def _spread(others: list, store: str, name: str, want: np.ndarray) -> np.ndarray:
+    """Per entry, how far the references ``others`` are from ``want``."""
+    return np.max([_errors(getattr(o, store)[name], want, 0.0)[0] for o in others], axis=0)
 
 
 def _reference_update(out: list, ref, base: Net, step: int, lr: float, fragile: dict) -> None:
@@ -225,4 +284,4 @@ def _reference_update(out: list, ref, base: Net, step: int, lr: float, fragile: 
     ref.sgd_step(lr, *SGD)
     for p in base.params:
         _compare(out, f"step {step} update", p.name, p.value, ref.params[p.name], TOL_REFERENCE,
-                 "reference", fragile[p.name])
+                 "reference", fragile["param_grads", p.name])

@@ -123,14 +123,16 @@ class Frame:
     ``sources[k]`` / ``source_grads[k]`` are connection ``k``'s source values and gradients,
     flat ``(batch, source size)`` (a gradient None: nothing flows there). With ``trace`` every
     input and parameter read is a :class:`tape.Node` whose gradient lands where a
-    ``grad_inputs``/``grad_<param>`` ``+=`` would put it.
+    ``grad_inputs``/``grad_<param>`` ``+=`` would put it. ``jitter(shape)``, when given,
+    draws the factors :meth:`rounded` multiplies computed values by.
     """
 
     def __init__(self, ens, tables: list[Table], sources: list[np.ndarray],
                  source_grads: list[np.ndarray | None], slots: dict[str, Slot], value, grad,
-                 batch: int, trace: bool = False):
+                 batch: int, trace: bool = False, jitter: Callable | None = None):
         self.ens, self.tables, self.sources, self.source_grads = ens, tables, sources, source_grads
         self.slots, self.value, self.grad, self.trace = slots, value, grad, trace
+        self.jitter = jitter
         self.lanes = (batch, ens.size)
         self.loc = None   # the statement being run (ir.Loc), for errors
         # traced Batch field writes at constant indices, so the tape follows a value kept in
@@ -183,6 +185,17 @@ class Frame:
         for d, (i, extent) in enumerate(zip(idx, shape)):
             flat = flat * extent + self.index(i, extent, mask, f"self.{name} (dim {d})")
         return flat
+
+    def rounded(self, out):
+        """``out``, a computed value, times the jitter's factors where float32 would round
+        it (float arrays only: a value that does not vary between lanes is computed alike
+        everywhere; a float32 number, such as 0, 1 or ``exp(0)``, comes out exact)."""
+        if self.jitter is None or not isinstance(out, np.ndarray) or out.dtype.kind != "f":
+            return out
+        factors = self.jitter(out.shape)
+        with np.errstate(over="ignore"):
+            exact = out.astype(np.float32) == out
+        return np.where(exact, out, out * factors)
 
     # ------------------------------------------------------------ reads and writes
     def read(self, ref: NeuronRef, idx: tuple, mask: Mask):

@@ -8,7 +8,9 @@ compile-time constants, so loops run in Python; an ``if``, a conditional express
 only where its condition holds (an index or a local read is checked only where it runs).
 Arithmetic follows Python: ``//`` and ``%`` floor, ``/`` is true division, booleans count as
 0 and 1; float math is IEEE (``log(-1)`` is NaN, ``1.0 / 0.0`` infinite) as compiled code has
-it. ``and``/``or`` yield truth values (0/1), not an operand.
+it. ``and``/``or`` yield truth values (0/1), not an operand. A frame with a jitter
+perturbs what ``+ - * /`` and ``exp``, ``log``, ``tanh``, ``sqrt`` compute (see
+``Reference.jitter``).
 """
 
 from __future__ import annotations
@@ -139,7 +141,7 @@ class Interpreter:
             with np.errstate(all="ignore"):
                 out = _MATH[e.fn](np.float64(x) if not isinstance(x, np.ndarray) else x)
             out = float(out) if np.ndim(out) == 0 else out
-            return tape.call(e.fn, v, out)
+            return tape.call(e.fn, v, out if e.fn == "abs" else self.frame.rounded(out))
         raise self.frame.fail(f"unexpected expression {type(e).__name__}", mask)
 
     def var(self, name: str, mask: Mask):
@@ -181,6 +183,8 @@ class Interpreter:
                     out = {"+": lambda: x + y, "-": lambda: x - y, "*": lambda: x * y,
                            "/": lambda: np.true_divide(x, y), "//": lambda: x // y,
                            "%": lambda: x % y}[op]()
+            if op in ("+", "-", "*", "/"):
+                out = self.frame.rounded(out)
         return tape.binop(op, a, b, out)
 
     def boolop(self, e: BoolOp, mask: Mask):

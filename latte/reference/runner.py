@@ -55,6 +55,13 @@ class Reference:
     shows and ``param_grads["ens.field"]`` each parameter's gradient. An activation shares
     its source's value and gradient arrays. The reference never calls ``before_forward``
     (dropout draws its masks there): give such Batch fields through ``fields``.
+
+    ``jitter`` (0: none) multiplies what each float ``+ - * /`` and ``exp``/``log``/``tanh``/
+    ``sqrt`` of a neuron body computes, where float32 would round it (where it is no float32
+    number), by ``1 + jitter * N(0, 1)``, drawn per lane and operation from ``jitter_seed``
+    (two references with one seed and opposite jitters perturb alike, with opposite signs):
+    what these perturbations move is what rounding may move. The random tester runs so to
+    find the entries that hang on rounding.
     """
 
     def __init__(self, net, params: dict | None = None, fields: dict | None = None):
@@ -68,6 +75,7 @@ class Reference:
         self._loops = {e: loop for loop in time_loops(net) for e in loop.ensembles}
         self.phase = Phase.TRAIN
         self.loss = 0.0
+        self.jitter, self.jitter_seed = 0.0, 0
         self.values: dict[str, np.ndarray] = {}
         self.grads: dict[str, np.ndarray] = {}
         for ens in net.ensembles:
@@ -234,6 +242,16 @@ class Reference:
                 out[name] = Slot(f, self.fields[k].reshape(n_rows, -1), rows, None)
         return out
 
+    def _jitter(self, ens: Ensemble, backward: bool, t: int | None):
+        """The factors of ``ens``'s forward or backward pass at step ``t`` (None without
+        jitter): the same draws in every reference with this seed, whatever ran before. A
+        backward that reruns the forward draws its own, as compiled code recomputes it."""
+        if not self.jitter:
+            return None
+        rng = np.random.default_rng([self.jitter_seed, self.net.ensembles.index(ens), backward,
+                                     0 if t is None else t + 1])
+        return lambda shape: 1.0 + self.jitter * rng.standard_normal(shape)
+
     def _dead(self, ens: BaseEnsemble) -> bool:
         """A data ensemble nobody asked the gradient of: the compiled net leaves it zero."""
         return isinstance(ens, DataEnsemble) and not getattr(ens, "needs_grad", False)
@@ -246,7 +264,8 @@ class Reference:
         if not defines_backward(ens.neuron_type):
             self._saved[ens.name, t] = ([s.copy() for s in sources], start)
         frame = Frame(ens, tables, sources, [None] * len(tables), self._slots(ens, t), start,
-                      self._flat(self.grads, ens, t), len(value))
+                      self._flat(self.grads, ens, t), len(value),
+                      jitter=self._jitter(ens, False, t))
         run(self._body(ens, "forward", tables), frame)
         value[...] = np.broadcast_to(tape.raw(frame.value), value.shape)
 
@@ -259,7 +278,8 @@ class Reference:
         if defines_backward(ens.neuron_type):
             sources = self._inputs(self.values, tables, t)
             value = self._flat(self.values, ens, t)
-            frame = Frame(ens, tables, sources, grads, slots, value, grad.copy(), len(grad))
+            frame = Frame(ens, tables, sources, grads, slots, value, grad.copy(), len(grad),
+                          jitter=self._jitter(ens, True, t))
             run(self._body(ens, "backward", tables), frame)
             value[...] = np.broadcast_to(tape.raw(frame.value), value.shape)
             grad[...] = np.broadcast_to(tape.raw(frame.grad), grad.shape)
@@ -272,7 +292,8 @@ class Reference:
                 d_start[...] += g
 
             start = tape.Node(start, sink=sink)
-        frame = Frame(ens, tables, sources, grads, slots, start, grad, len(grad), trace=True)
+        frame = Frame(ens, tables, sources, grads, slots, start, grad, len(grad), trace=True,
+                      jitter=self._jitter(ens, True, t))
         run(self._body(ens, "forward", tables), frame)
         tape.backprop([(frame.value, grad.copy())])
         if isinstance(ens, ActivationEnsemble):
