@@ -7,6 +7,8 @@ import pytest
 from helpers import WeightedSumLoss, fill
 
 from latte import Ensemble, Net, Neuron, add_connections
+from latte.compiler.ir import Affine, Assign, AugAssign, Block, Buffer, Const, Kernel, Loop, Ref, walk
+from latte.compiler.passes.zero_init import fold_zero_init, region
 from latte.stdlib import ConvolutionLayer, MemoryDataLayer
 
 
@@ -55,3 +57,27 @@ def test_window_and_one_to_one_into_one_gradient(opt_level):
     for name, ref in want.items():
         np.testing.assert_allclose(got[name], ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(),
                                    err_msg=name)
+
+
+def test_zero_init_folds_only_the_zeroed_run():
+    """Hand-built IR: a producer's zeroing of its run ``[4, 12)`` of each item of a join's
+    ``(2, 16)`` buffer folds into a ``+=`` over exactly that run (which becomes a store);
+    not into one over part of it, nor, for a buffer zeroed whole before the kernel (a
+    gradient), into a write of one run."""
+    buf = Buffer(("cat", "value"), "cat.value", (2, 16), batched=True)
+
+    def nest(body_of, extent: int):
+        return Loop("n", 0, 2, Block((Loop("i", 0, extent, Block((body_of(
+            Ref(buf, (Affine.of("n"), Affine.build({"i": 1}, 4)), (2, 16))),))),)))
+
+    zero = nest(lambda ref: Assign(ref, Const(0.0)), 8)
+    run, part = (nest(lambda ref: AugAssign(ref, "+", Const(1.0)), n) for n in (8, 4))
+    for write, kinds in ((run, [Assign]), (part, [Assign, AugAssign])):
+        out, _ = fold_zero_init(Kernel("k", Block((zero, write)), None, "forward"))
+        assert [type(n) for n in walk(out.body) if isinstance(n, (Assign, AugAssign))] == kinds
+    out, folded = fold_zero_init(Kernel("k", Block((run,)), None, "backward"), frozenset({buf}))
+    assert not folded and isinstance(out.body.stmts[0].body.stmts[0].body.stmts[0], AugAssign)
+    assert region(4, [(16, 2), (1, 8), (3, 1)]) == (4, ((1, 8), (16, 2)))
+    assert region(0, [(4, 4), (1, 4)]) == (0, ((1, 16),))
+    assert region(0, [(1, 4), (2, 3)]) is None   # element 2 twice
+
