@@ -4,7 +4,9 @@ This is the AoS -> SoA step: a neuron's ``value`` becomes one slot of the ensemb
 buffer ``(batch, *shape)``, a field becomes (a view of) the user's array, a ``Batch`` field
 gets a leading batch dimension. An ActivationEnsemble owns no buffers: it works in place on
 its source's. With time steps the batch dimension holds ``T x batch`` items, step-major, and
-a time loop's kernels see step views (:class:`StepBuffers`).
+a time loop's kernels see step views (:class:`StepBuffers`). A zero-copy join's producers
+keep their buffers as *windows* of the join's (:meth:`BufferPlan.window`): the runtime shows
+them as strided views, the kernels access the join's buffer alone.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class BufferPlan:
         self.threads = threads
         self.buffers: dict[tuple, Buffer] = {}
         self.views: dict[Buffer, tuple[Buffer, int]] = {}   # step view -> (buffer, step shift)
+        self.windows: dict[Buffer, tuple[Buffer, int]] = {}  # window -> (buffer, item offset)
 
     def _get(self, key: tuple, name: str, shape: tuple[int, ...], dtype: str = "float32",
              batched: bool = False) -> Buffer:
@@ -83,6 +86,21 @@ class BufferPlan:
     def base(self, buf: Buffer) -> Buffer:
         """The buffer a step view shows (``buf`` itself if it is none)."""
         return self.views[buf][0] if buf in self.views else buf
+
+    def window(self, buf: Buffer, within: Buffer, offset: int) -> None:
+        """Make batched ``buf`` a window of batched ``within``: item ``n`` of ``buf`` is the
+        run of elements of item ``n`` of ``within`` from ``offset`` on (a zero-copy join's
+        producer, :mod:`latte.compiler.joins`). No kernel may access ``buf`` afterwards."""
+        self.windows[buf] = (within, offset)
+
+    def home(self, buf: Buffer) -> tuple[Buffer, int]:
+        """The buffer kernels access for ``buf`` (itself unless it is a window, of a window...)
+        and where ``buf``'s items start in that buffer's items."""
+        offset = 0
+        while buf in self.windows:
+            buf, step = self.windows[buf]
+            offset += step
+        return buf, offset
 
     def private(self, buf: Buffer) -> Buffer:
         """Per-thread private copies of ``buf`` (gradients accumulated in parallel)."""

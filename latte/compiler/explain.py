@@ -101,6 +101,15 @@ def _normalized(program, stats: set, ran: set) -> list[str]:
     return out
 
 
+def _joins(program) -> list[str]:
+    """Each concatenation (:mod:`latte.compiler.joins`): zero-copy, its inputs' buffers
+    windows of its own, or a copy and why."""
+    out = [f"  {j.ensemble.name!r}: " + (
+        "zero-copy: " + ", ".join(f"{e.name!r} from channel {first}" for e, first in j.inputs)
+        if j.why_not is None else f"a copy: {j.why_not}") for j in program.joins]
+    return ["", "joins (where safe, the inputs write into the join's buffers):", *out] if out else []
+
+
 def _time(program) -> list[str]:
     """The time loops: which ensembles run step by step, which once over every step."""
     bufs = program.buffers
@@ -148,6 +157,7 @@ def explain_program(program) -> str:
            f"native code {'from the disk cache' if cached else 'compiled'}"]
     out += _locality(program)
     out += _test_phase(program)
+    out += _joins(program)
     out += _time(program)
     for plan in program.plans:
         ens = plan.ensemble

@@ -31,6 +31,7 @@ from latte.compiler.fusion import (
 from latte.compiler.graph_checks import check_graph
 from latte.compiler.ir import Block, Kernel, Ref, walk
 from latte.compiler.jit import target
+from latte.compiler.joins import join_in_place
 from latte.compiler.machine import cache_sizes
 from latte.compiler.mapping import analyze_connections
 from latte.compiler.passes import (
@@ -73,6 +74,7 @@ class Compilation:
     pre_zeroed: set = field(default_factory=set)     # gradients their first writer overwrites
     stepped: dict = field(default_factory=dict)      # ensemble -> its time loop
     fused_steps: list = field(default_factory=list)  # time-loop ensembles run as one loop
+    joins: list = field(default_factory=list)        # concatenations, zero-copy or why not
     program: Program | None = None
 
     def kernels(self) -> list[Kernel]:
@@ -112,6 +114,12 @@ def _synthesize(c: Compilation) -> None:
         for phase in PHASES:
             plan.kernels[phase] = synthesize(plan.ensemble, phase, plan.accesses, bufs)
     c.dead |= {v for v in c.bufs.views if c.bufs.base(v) in c.dead}
+
+
+def _join_in_place(c: Compilation) -> None:
+    """A concatenation's inputs write into its buffers, where that is safe: their buffers
+    become windows of its, its kernels go."""
+    c.joins = join_in_place(c.net, c.plans, c.bufs, c.stepped, c.opt_level)
 
 
 def _hoist_param_grads(c: Compilation) -> None:
@@ -212,13 +220,16 @@ def _schedule(c: Compilation) -> None:
         backward.insert(0, Segment("bwd_zero", (zero,)))
     c.program = Program(bufs, forward, backward, test, params, c.plans, c.opt_level,
                         groups=c.groups, budget=c.budget, test_groups=c.test_groups,
-                        fused_steps=c.fused_steps)
+                        fused_steps=c.fused_steps, joins=c.joins)
 
 
 STEPS = (
     Step("check_graph", 0, lambda c: check_graph(c.net), per_kernel=False),
     Step("analyze", 0, _analyze, per_kernel=False),
     Step("synthesize", 0, _synthesize, per_kernel=False),
+    # zero-copy joins (at opt level 0 they only say why not): before every pass that reads
+    # indices, so GEMMs derive their leading dimensions from the join's buffer
+    Step("join_in_place", 0, _join_in_place, per_kernel=False),
     # data ensembles need no gradient
     Step("prune_dead_gradients", 0, lambda c, k: prune_dead_gradients(k, c.dead)),
     # neuron bodies split into perfect nests

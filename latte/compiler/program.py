@@ -85,6 +85,7 @@ class Program:
     test_groups: list = field(default_factory=list)   # fused in the test forward alone
     budget: int = 0                               # bytes a tile's working set may use
     fused_steps: list = field(default_factory=list)   # time-loop ensembles run as one loop
+    joins: list = field(default_factory=list)   # concatenations: zero-copy, or why not
 
     def segments(self) -> list[Segment]:
         """Every native segment, each once (the test forward shares unchanged ones)."""

@@ -87,10 +87,11 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list 
         kernel = drop_stores(k, dead)
         if k.name in owners:
             plans = owners[k.name].plans
-            values = [bufs.value(p.ensemble) for p in plans]
+            # the buffers the kernels access (a zero-copy join's, for its inputs)
+            values = [bufs.home(bufs.value(p.ensemble))[0] for p in plans]
             # an in-place activation of an input from outside the group (a data ensemble)
             # reads that input's buffer: it is no intermediate of the group
-            outside = {bufs.value(p.ensemble) for p in plans if storage_owner(p.ensemble)
+            outside = {v for p, v in zip(plans, values) if storage_owner(p.ensemble)
                        not in {q.ensemble for q in plans}}
             elsewhere = hosts | looped | outside | {a.buffer for j, f in enumerate(found)
                                                     if j != i for a in f}
@@ -175,12 +176,12 @@ def _reads(loop: TimeSteps) -> set:
 
 def zero_grads(net, bufs: BufferPlan, skip) -> Kernel:
     """``grad[:] = 0`` for every gradient buffer not in ``skip`` (dead, or overwritten by
-    its first writer)."""
+    its first writer); a window (a zero-copy join's input) is zeroed with its join's."""
     grads = []
     for ens in net.ensembles:
         if not isinstance(ens, ActivationEnsemble):
             g = bufs.grad(ens)
-            if g not in skip:
+            if g not in skip and g not in bufs.windows:
                 grads.append(g)
         if isinstance(ens, Ensemble):
             grads += [g for f in ens.params if (g := bufs.field_grad(ens, f.name)) not in skip]

@@ -306,10 +306,7 @@ def synthesize(ens, phase: str, accesses: list[ConnAccess], bufs: BufferPlan) ->
     """The loop nest that runs ``ens``'s neuron ``phase`` (forward/backward) for a batch."""
     names = NameGen()
     info = neuron_info(ens, accesses)
-    if phase == "backward" and not defines_backward(ens.neuron_type):
-        neuron_body = derived_backward(ens, info)
-    else:
-        neuron_body = parse_method(ens.neuron_type, phase, info)
+    neuron_body = neuron_ir(ens, phase, info)
     for node in walk(neuron_body):
         if isinstance(node, Var):
             names.used.add(node.name)
@@ -324,6 +321,13 @@ def synthesize(ens, phase: str, accesses: list[ConnAccess], bufs: BufferPlan) ->
     if body.stmts:
         stmts.append(synth.neuron_nest(body))
     return Kernel(f"{ens.name}.{phase}", Block(tuple(stmts)), ens, phase)
+
+
+def neuron_ir(ens, phase: str, info: NeuronInfo) -> Block:
+    """The neuron-level IR of ``ens``'s ``phase``: its method's, or a derived backward."""
+    if phase == "backward" and not defines_backward(ens.neuron_type):
+        return derived_backward(ens, info)
+    return parse_method(ens.neuron_type, phase, info)
 
 
 def _extents(ens, info: NeuronInfo, r: NeuronRef) -> tuple[int, ...]:

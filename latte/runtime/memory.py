@@ -20,14 +20,29 @@ def aligned_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+def window(home: np.ndarray, shape: tuple[int, ...], offset: int) -> np.ndarray:
+    """The strided view of ``home`` whose item ``n`` (shaped ``shape[1:]``, C order) starts
+    at element ``offset`` of ``home``'s item ``n``."""
+    inner, item = [home.itemsize], home.strides[0]
+    for extent in reversed(shape[2:]):
+        inner.insert(0, inner[0] * extent)
+    start = home.reshape(-1)[offset:]
+    return np.lib.stride_tricks.as_strided(start, shape, (item, *inner))
+
+
 class Memory:
-    """Owns every buffer of a program; ``table`` holds their addresses in plan order."""
+    """Owns every buffer of a program; ``table`` holds their addresses in plan order. A window
+    of another buffer (a zero-copy join's producer) is a strided view of it."""
 
     def __init__(self, program: Program):
         self.arrays = {}
-        for buf in program.buffers.buffers.values():
-            self.arrays[buf] = aligned_zeros(buf.shape, np.int32 if buf.dtype == "int32" else np.float32)
         bufs = program.buffers
+        for buf in bufs.buffers.values():
+            if buf not in bufs.windows:
+                self.arrays[buf] = aligned_zeros(buf.shape, np.int32 if buf.dtype == "int32" else np.float32)
+        for buf in bufs.windows:
+            home, offset = bufs.home(buf)
+            self.arrays[buf] = window(self.arrays[home], buf.shape, offset)
         for plan in program.plans:
             ens = plan.ensemble
             for f in ens.fields.values():
