@@ -20,6 +20,7 @@ from latte.stdlib import (
     ConcatLayer,
     ELULayer,
     EuclideanLossLayer,
+    FullyConnectedLayer,
     GlobalAveragePoolingLayer,
     GRULayer,
     LeakyReLULayer,
@@ -98,6 +99,25 @@ def _concat(rng, net, name, src, pool):
     return ConcatLayer(name, net, [parts[i] for i in rng.permutation(len(parts))], axis=axis)
 
 
+def _branches(rng, net, name, src, pool):
+    """Two or three fresh branches over ``src`` joined along the first axis, as in an
+    inception block: convolutions that keep an image's size (or FC layers), some under an
+    in-place activation; read by the concat alone, so it is zero-copy from opt level 1
+    (:mod:`latte.compiler.joins`)."""
+    branches = []
+    for k in range(int(rng.integers(2, 4))):
+        width = int(rng.integers(1, 5))
+        if image(src):
+            size = int(rng.choice([1, 3]))
+            branch = ConvolutionLayer(f"{name}b{k}", net, src, width, size, pad=size // 2)
+        else:
+            branch = FullyConnectedLayer(f"{name}b{k}", net, src, width)
+        if rng.random() < 0.5:
+            branch = pick(rng, [ReLULayer, TanhLayer, SigmoidLayer])(f"{name}a{k}", net, branch)
+        branches.append(branch)
+    return ConcatLayer(name, net, branches)
+
+
 LAYERS.extend([
     Layer("leakyelu", lambda src: not isinstance(src, DataEnsemble), _leaky_or_elu),
     Layer("prelu", lambda src: True, lambda rng, net, name, src, pool: PReLULayer(name, net, src)),
@@ -108,6 +128,7 @@ LAYERS.extend([
     Layer("join", lambda src: True, _join),
     Layer("concat", lambda src: True, _concat),
 ])
+LAYERS.append(Layer("branches", lambda src: True, _branches))
 
 
 # ---- batch normalization (issue 11, item 1)
