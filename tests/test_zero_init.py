@@ -81,3 +81,26 @@ def test_zero_init_folds_only_the_zeroed_run():
     assert region(0, [(4, 4), (1, 4)]) == (0, ((1, 16),))
     assert region(0, [(1, 4), (2, 3)]) is None   # element 2 twice
 
+
+def test_a_tile_of_stores_folds_together_but_not_two_stores_of_one_element():
+    """Hand-built IR: the four stores of a Winograd 2x2 output tile (offsets ``0, 1, W,
+    W + 1`` apart under the same loops) overwrite a zeroed buffer together; two ``+=`` of
+    the same element (a window of one and a one-to-one read of one source, random case
+    140) must stay sums."""
+    buf = Buffer(("out", "value"), "out.value", (2, 4, 4), batched=True)
+    zero = Loop("z", 0, buf.size, Block((Assign(Ref(buf, (Affine.of("z"),), (buf.size,)),
+                                                Const(0.0)),)))
+
+    def tile(offsets):
+        stores = tuple(AugAssign(Ref(buf, (Affine.of("n"), Affine.build({"y": 2}, i),
+                                           Affine.build({"x": 2}, j)), buf.shape), "+", Const(1.0))
+                       for i, j in offsets)
+        return Loop("n", 0, 2, Block((Loop("y", 0, 2, Block((Loop("x", 0, 2, Block(stores)),))),)))
+
+    def kinds(write):
+        out, _ = fold_zero_init(Kernel("k", Block((zero, write)), None, "forward"))
+        return [type(n).__name__ for n in walk(out.body) if isinstance(n, (Assign, AugAssign))]
+
+    assert kinds(tile([(0, 0), (0, 1), (1, 0), (1, 1)])) == ["Assign"] * 4
+    assert kinds(tile([(0, 0), (0, 0)])) == ["Assign", "AugAssign", "AugAssign"]
+    assert kinds(tile([(0, 0), (0, 1), (1, 0)])) == ["Assign", "AugAssign", "AugAssign", "AugAssign"]

@@ -65,6 +65,10 @@ class BufferPlan:
         return self._get((conn, "table"), f"{conn.source.name}->{conn.sink.name}.table", shape,
                          "int32")
 
+    def derived(self, key: tuple, name: str, shape: tuple[int, ...]) -> Buffer:
+        """A buffer the compiled code fills from others for all threads (transformed weights)."""
+        return self._get(("derived", *key), name, shape)
+
     def scratch(self, key: tuple, name: str, shape: tuple[int, ...]) -> Buffer:
         """A per-thread tile buffer: one ``shape`` slice per thread."""
         return self._get(("scratch", *key), name, (self.threads, *shape))

@@ -183,6 +183,9 @@ def explain_program(program) -> str:
         for phase, kernel in plan.kernels.items():
             gemms = [n for n in walk(kernel.body) if isinstance(n, Gemm)]
             out.append(f"  {phase}: {len(gemms)} GEMM match(es)")
+            if any(g.a_buf.key[0] == "derived" for g in gemms):
+                out.append("    Winograd F(2x2, 3x3): the 3x3 window as 16 GEMMs over transformed "
+                           "4x4 tiles of the source (weights transformed once per run)")
             for g in gemms:
                 out.extend("    " + line.strip() for line in fmt_stmt(g))
         for kernel in plan.kernels.values():

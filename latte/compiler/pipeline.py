@@ -46,6 +46,7 @@ from latte.compiler.passes import (
     tile_loops,
 )
 from latte.compiler.passes.time_hoist import hoist_param_grads
+from latte.compiler.passes.winograd import winograd
 from latte.compiler.printer import format_ir
 from latte.compiler.program import AFTER_LOOP, EnsemblePlan, Program, Segment
 from latte.compiler.step_fusion import fuse_steps
@@ -240,6 +241,8 @@ STEPS = (
     Step("first_touch", 1, _first_touch, per_kernel=False),
     # row-plane tiles sized to the cache budget (or to the fused group's)
     Step("tile_loops", 2, lambda c, k: tile_loops(k, c.budget, _forced(c, k))),
+    # 3x3 stride-1 windows through Winograd's transforms: 16 GEMMs over transformed tiles
+    Step("winograd", 2, lambda c, k: winograd(k, c.bufs)),
     # sliding windows gathered into tile buffers, then GEMMs over them
     Step("copy_windows", 1, lambda c, k: copy_windows(k, c.bufs)),
     Step("match_gemm", 1, lambda c, k: match_gemm(k)),

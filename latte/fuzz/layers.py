@@ -184,6 +184,18 @@ LAYERS.extend([
 ])
 
 
+# ---- 3x3 stride-1 convolutions Winograd takes at opt level >= 2 (issue 13): enough input
+# channels (a 1x1 convolution widens the source first) and output tiles (a wide image)
+def _winograd(rng, net, name, src, pool):
+    wide = ConvolutionLayer(f"{name}w", net, src, int(rng.integers(8, 11)), 1)
+    return ConvolutionLayer(name, net, wide, int(rng.integers(1, 4)), 3,
+                            pad=int(rng.integers(0, 2)), bias=bool(rng.random() < 0.5))
+
+
+LAYERS.append(Layer("winograd", lambda src: image(src) and src.shape[1] >= 4
+                    and src.shape[2] >= 64, _winograd))
+
+
 # ---- losses against a target ensemble (issue 11, item 1): the target is a computed
 # ensemble (its gradient is checked too); the cross-entropy's goes through a sigmoid
 def _target_loss(rng, net, name, src, pool):

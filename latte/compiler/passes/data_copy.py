@@ -119,10 +119,10 @@ def _copy(s: Loop, bufs, key: tuple):
     if not _is_gemm(compute):
         return None
     value = aug.value.lhs if i == 0 else aug.value.rhs
-    return nest(outer, _gather(order, ref, value, outer + inner), compute)
+    return nest(outer, gather(order, ref, value, outer + inner), compute)
 
 
-def _gather(order: list[Loop], ref: Ref, value, loops: list[Loop]):
+def gather(order: list[Loop], ref: Ref, value, loops: list[Loop]):
     """The nest ``order`` storing ``value`` (a window load, possibly behind a padding guard)
     into the tile ``ref``. The tile must hold what ``value`` reads at every point: where the
     guard fails, that is the ``Select``'s other branch (the connection's padding value,

@@ -59,7 +59,8 @@ def parallelize(kernel: Kernel, bufs) -> Kernel:
             out.extend(_batch_nest(s, bufs))
         elif isinstance(s, Gemm):
             out.append(split_gemm(s, bufs.threads))
-        elif isinstance(s, Loop) and _flat_disjoint(s) and s.extent >= MIN_FLAT:
+        elif isinstance(s, Loop) and ((_flat_disjoint(s) and s.extent >= MIN_FLAT) or (
+                _worth(s, bufs.threads) and _disjoint_iterations(s))):
             out.append(parallel(s, 1))
         else:
             out.append(s)
@@ -75,6 +76,11 @@ def _work(s) -> int:
     if isinstance(s, (Block, If)):
         return sum(_work(c) for c in _child_stmts(s))
     return 1
+
+
+def _worth(loop: Loop, threads: int) -> bool:
+    """``loop`` has the work of a fork-join and an iteration for every thread."""
+    return _work(loop) >= MIN_FLAT and loop.extent >= threads
 
 
 def _child_stmts(s) -> list:
@@ -141,7 +147,7 @@ def _within(nest: Loop, threads: int) -> Loop:
                 s = share(s)
             elif isinstance(s, Gemm):
                 s = split_gemm(s, threads)
-            elif isinstance(s, Loop) and _work(s) >= MIN_FLAT and _disjoint_iterations(s):
+            elif isinstance(s, Loop) and _worth(s, threads) and _disjoint_iterations(s):
                 s = parallel(s, 1)
             stmts.append(s)
         return replace(loop, body=Block(tuple(stmts)))
@@ -150,21 +156,29 @@ def _within(nest: Loop, threads: int) -> Loop:
 
 def _disjoint_iterations(loop: Loop) -> bool:
     """No iteration of ``loop`` touches an element another one stores to: every buffer it
-    stores to is accessed (loaded and stored) through one and the same index component that
-    advances with ``loop.var`` by more than the loops inside ``loop`` move it. Sound because
-    every index component is proven inside its view's extent (the verifier)."""
-    inner = {n.var: n.extent for n in walk(loop.body) if isinstance(n, Loop)}
-    if any(isinstance(n, Gemm) for n in walk(loop.body)) or not _own_locals(loop):
+    stores to is accessed (loaded and stored) either by refs of one view that share an
+    index component (the same form in the same position) advancing with ``loop.var`` by
+    more than the loops inside ``loop`` move it (sound: the verifier proves every component
+    inside its extent), or only as GEMM blocks at one offset that advances by more than the
+    block spans (a loop around GEMMs)."""
+    if not _own_locals(loop):
         return False
-    written = {a.buffer for a in accesses(loop) if a.written}
-    for buf in written:
-        index = {(a.index, a.view) for a in accesses(loop) if a.buffer is buf}
-        if len(index) != 1 or None in next(iter(index)):
-            return False
-        ((idx, _),) = index
-        if not any(isinstance(c, Affine) and c.coef(loop.var)
-                   and sum(abs(k) * (inner[v] - 1) for v, k in c.terms if v in inner)
-                   < abs(c.coef(loop.var)) for c in idx):
+    inner = {n.var: n.extent for n in walk(loop.body) if isinstance(n, Loop)}
+
+    def reach(form: Affine, span: int = 0) -> bool:
+        moved = span + sum(abs(k) * (inner[v] - 1) for v, k in form.terms if v in inner)
+        return moved < abs(form.coef(loop.var))
+
+    found = accesses(loop)
+    for buf in {a.buffer: None for a in found if a.written}:
+        mine = [a for a in found if a.buffer is buf]
+        if all(a.index is None for a in mine):   # GEMM blocks
+            if len({a.offset for a in mine}) != 1 or mine[0].offset is None or not all(
+                    reach(a.offset, a.span) for a in mine):
+                return False
+        elif any(a.index is None for a in mine) or len({a.view for a in mine}) != 1 or not any(
+                len(set(forms)) == 1 and isinstance(forms[0], Affine) and reach(forms[0])
+                for forms in zip(*(a.index for a in mine))):
             return False
     return True
 

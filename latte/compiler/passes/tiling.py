@@ -46,9 +46,11 @@ MIN_TILE = 256
 
 def heights(extent: int, wide) -> list[int]:
     """The tile heights to try, best first: the divisors of ``extent`` for which
-    ``wide(height)`` holds, from the smallest up; none wide, the whole extent alone (a GEMM
+    ``wide(height)`` holds, even ones first (Winograd's 2x2 output tiles then never straddle
+    two row tiles), each from the smallest up; none wide, the whole extent alone (a GEMM
     over a narrower tile runs below speed, and its weights are streamed once per tile)."""
-    return [t for t in range(1, extent + 1) if extent % t == 0 and wide(t)] or [extent]
+    wide = [t for t in range(1, extent + 1) if extent % t == 0 and wide(t)]
+    return sorted(wide, key=lambda t: t % 2) or [extent]
 
 
 def tile_loops(kernel: Kernel, budget: int, forced: tuple[int, int] | None = None) -> Kernel:
@@ -175,8 +177,8 @@ def tile_boxes(nest: Loop, extents: dict[str, int], batch: str, tiled: str, size
 
 def tile_rows(x, batch: str, tile: str) -> tuple[int, int] | None:
     """``(dim, rows per tile)`` if access ``x`` touches, in tile ``t`` of a batch item, only
-    rows ``[t * rows, (t + 1) * rows)`` of one dimension of its buffer (and nothing of other
-    items)."""
+    rows of ``[t * rows, (t + 1) * rows)`` of one dimension of its buffer (and nothing of
+    other items)."""
     buf, off, loops = x.buffer, x.offset, {v: (start, stop) for v, start, stop in x.loops}
     if off is None or not buf.batched or off.coef(batch) != buf.size // buf.shape[0]:
         return None
@@ -199,6 +201,6 @@ def tile_rows(x, batch: str, tile: str) -> tuple[int, int] | None:
         return None
     (d,) = moved
     step = np.unique(there[d] - here[d])
-    if len(step) != 1 or here[d].min() != 0 or here[d].max() >= step[0]:
+    if len(step) != 1 or here[d].min() < 0 or here[d].max() >= step[0]:
         return None
     return d, int(step[0])

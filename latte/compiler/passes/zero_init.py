@@ -13,7 +13,9 @@ overwrite instead of accumulate when
 2. ``W`` runs unconditionally (not under an ``if``) and does not read the buffer;
 3. over its enclosing loops, ``W`` writes every element of the zeroed region exactly once
    and nothing else: both are affine offsets over loops starting at 0, and their
-   :func:`region` (a mixed-radix normal form) is the same.
+   :func:`region` (a mixed-radix normal form) is the same. Several stores under the same
+   loops, at offsets that differ by constants (a Winograd 2x2 output tile), may be ``W``
+   together: the constants count as more runs of the region.
 
 Then the zeroing is dropped and a GEMM runs with ``beta = 0``: one pass over the region
 saved, and the write-allocate traffic of the memset.
@@ -99,26 +101,64 @@ def _in_order(s, loops=()):
         yield s, loops
 
 
-def _first_write(s, buf: Buffer, zeroed: Region):
-    """The statement of ``s`` that touches ``buf``, if it is the only one and overwrites
-    exactly the ``zeroed`` region of it (properties 1-3 of the module docstring)."""
-    if sum(a.buffer is buf for a in accesses(s)) != 1:
-        return None
-    for node, loops in _in_order(s):
-        if buf not in _touched(node):
-            continue
-        if loops is None:
-            return None
-        if isinstance(node, Gemm):
+def _first_write(s, buf: Buffer, zeroed: Region) -> list:
+    """The statements of ``s`` that touch ``buf``, if they overwrite exactly the ``zeroed``
+    region of it and nothing else does (properties 1-3 of the module docstring): one GEMM or
+    store, or several stores under the same loops whose offsets differ by constants (the
+    four outputs of a Winograd 2x2 tile). Empty if not."""
+    found = [(node, loops) for node, loops in _in_order(s) if buf in _touched(node)]
+    if not found or sum(a.buffer is buf for a in accesses(s)) != len(found):
+        return []
+    loops = found[0][1]
+    if loops is None or not all(ls is not None and len(ls) == len(loops) and all(
+            a is b for a, b in zip(ls, loops)) for _, ls in found):   # the same loop nodes
+        return []
+    offsets, extra = [], []
+    for node, _ in found:
+        if isinstance(node, Gemm) and len(found) == 1:
             off, extra = node.c_off, [(1, node.n), (node.ldc, node.m)]
             ok = node.c_buf is buf and node.beta == 1.0
         elif isinstance(node, (Assign, AugAssign)) and isinstance(node.target, Ref):
-            off, extra = node.target.offset(), []
+            off = node.target.offset()
             ok = node.target.buffer is buf and (isinstance(node, Assign) or node.op == "+")
         else:
+            return []
+        if not ok or off is None:
+            return []
+        offsets.append(off)
+    first = min(off.const for off in offsets)
+    base = offsets[0] - offsets[0].const + first
+    digits = _digits({off.const - first for off in offsets})
+    if digits is None or len(set(offsets)) != len(offsets) or any(
+            off - off.const + first != base for off in offsets):   # each element once
+        return []
+    return [n for n, _ in found] if _written_region(base, loops, extra + digits) == zeroed else []
+
+
+def _digits(consts: set[int]) -> list[tuple[int, int]] | None:
+    """``consts`` (holding 0) as the sums of one value from each of some runs ``{0, stride,
+    ..., (extent - 1) * stride}`` (``{0, 1, W, W + 1}``: ``(1, 2), (W, 2)``), or None."""
+    out = []
+    while len(consts) > 1:
+        stride = min(c for c in consts if c)
+        extent = 1
+        while extent * stride in consts:
+            extent += 1
+        rest = {c for c in consts if c - stride not in consts}
+        if len(rest) * extent != len(consts) or any(
+                r + j * stride not in consts for r in rest for j in range(extent)):
             return None
-        return node if ok and _written_region(off, loops, extra) == zeroed else None
-    return None
+        out.append((stride, extent))
+        consts = rest
+    return out
+
+
+def _overwrite(node):
+    """A first writer of zeros as one that overwrites: a GEMM with ``beta = 0``, a ``+=`` as
+    a plain store."""
+    if isinstance(node, Gemm):
+        return replace(node, beta=0.0)
+    return Assign(node.target, node.value) if isinstance(node, AugAssign) else node
 
 
 def _touched(s) -> set[Buffer]:
@@ -144,14 +184,10 @@ def fold_zero_init(kernel: Kernel, zeroed: frozenset[Buffer] = frozenset()
         touched = _touched(s)
         for b in [b for b in pending if b in touched]:
             first = _first_write(s, b, pending[b][1])
-            if first is not None:
+            if first:
                 folded[b] = pending[b][0]
-                if isinstance(first, Gemm):
-                    stmts[i] = rewrite(stmts[i], lambda n, g=first: replace(n, beta=0.0)
-                                       if n is g else None)
-                elif isinstance(first, AugAssign):   # ``+=`` on zeros: a plain store
-                    stmts[i] = rewrite(stmts[i], lambda n, a=first: Assign(a.target, a.value)
-                                       if n is a else None)
+                stmts[i] = rewrite(stmts[i], lambda n, ws=first: _overwrite(n) if any(
+                    n is w for w in ws) else None)
         for b in touched:
             pending.pop(b, None)
     drop = {i for i in folded.values() if i is not None}

@@ -1,0 +1,314 @@
+"""Winograd convolution F(2x2, 3x3) (Lavin and Gray, CVPR 2016): a 3x3 stride-1 sliding-window
+multiply-accumulate, found on the loop nest as the GEMM match finds its pattern, computed
+as 16 GEMMs over transformed tiles: 2.25x fewer multiplications than the direct sum.
+
+The pattern, on a (tiled) neuron nest ``batch -> [row tile] -> o -> y -> x -> window loops``:
+``out[.., o, y, x] += w(o, c, ky, kx) * src[.., c, y + ky + a, x + kx + b]`` (the source load
+possibly behind a padding guard), where ``ky`` and ``kx`` run over 3 values, the weight's
+index depends on ``o`` and the window variables alone, the source channel on ``c`` alone,
+and the source row (column) advances by one with both ``y`` and ``ky`` (``x`` and ``kx``):
+stride 1, no dilation. Nothing looks at layer types or names.
+
+The rewrite, for ``e`` the 16 positions of a 4x4 transformed tile:
+
+- ``U[e, o, c] = (G w G^T)[e]``, before the batch loop (the weights change between runs);
+- per (batch item, row tile): the source rows the tile reads copied to a padded tile ``P``
+  (through the original guard and padding value, bounds-guarded where a partial tile
+  reaches past the source; the guards split off the interior as in data-copy), then
+  ``V[e, c, p] = (B^T d B)[e]`` for the 4x4 patch ``d`` of ``P`` under each 2x2 output
+  tile ``p``;
+- ``M[e] = U[e] @ V[e]``: 16 GEMMs, output channels x tiles, over the input channels;
+- ``out[.., o, 2ty + i, 2tx + j] += (A^T M A)[i, j]``, guarded where a tile is partial
+  (zero-init folding turns the four ``+=`` of a tile into stores where they cover the
+  output).
+
+It is used where it pays (:func:`match`: enough channels and tiles), at opt level 2 and up;
+``LATTE_WINOGRAD=0`` turns it off (im2col + GEMM, as for every other window).
+
+In exact arithmetic this is the direct sum; in float32 the transforms (sums of at most 16
+terms with weights 1 and 1/2) add rounding of the order of the terms summed, well within
+1e-4 of the output's scale for weights and inputs of like magnitude (the tests and the random
+tester check it against opt level 0).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+from latte.compiler.ir import (
+    TID,
+    Affine,
+    Assign,
+    AugAssign,
+    BinOp,
+    Block,
+    BoolOp,
+    Compare,
+    Const,
+    Expr,
+    Gemm,
+    If,
+    Kernel,
+    Load,
+    Loop,
+    LoopKind,
+    NameGen,
+    Ref,
+    Select,
+    Var,
+    substitute,
+    walk,
+)
+from latte.compiler.passes.data_copy import gather
+from latte.compiler.passes.tiling import ensemble_chain, is_batch_loop
+
+BT = ((1, 0, -1, 0), (0, 1, 1, 0), (0, -1, 1, 0), (0, 1, 0, -1))       # input transform B^T
+G = ((1, 0, 0), (0.5, 0.5, 0.5), (0.5, -0.5, 0.5), (0, 0, 1))          # weight transform
+AT = ((1, 1, 1, 0), (0, 1, -1, -1))                                    # output transform A^T
+TILES = 16          # positions of a transformed 4x4 tile
+MIN_CHANNELS = 8    # input channels from which Winograd beats im2col + GEMM (measured here:
+MIN_TILES = 32      # 3 channels lose, 8 win; 7x7 outputs, 16 tiles, lose at 512 channels)
+
+
+@dataclass(frozen=True)
+class Conv:
+    """A matched 3x3 stride-1 multiply-accumulate nest."""
+
+    nest: Loop              # the batch loop
+    tile: Loop | None       # the row-tile loop under it
+    o: Loop
+    y: Loop
+    x: Loop
+    c: Loop
+    ky: str
+    kx: str
+    target: Ref
+    weight: Ref
+    source: Ref
+    guard: Expr | None      # the source load's padding guard
+    pad: Expr               # what the source reads where the guard fails
+
+    @property
+    def tiles(self) -> tuple[int, int]:
+        """2x2 output tiles down and across one row tile."""
+        return -(-self.y.extent // 2), -(-self.x.extent // 2)
+
+
+def winograd(kernel: Kernel, bufs) -> Kernel:
+    """Every matching nest of ``kernel`` (a forward) computed by Winograd F(2x2, 3x3)."""
+    if kernel.phase != "forward" or os.environ.get("LATTE_WINOGRAD") == "0":
+        return kernel
+    stmts = []
+    for k, s in enumerate(kernel.body.stmts):
+        conv = match(s) if is_batch_loop(s) else None
+        stmts += [s] if conv is None else _rewrite(conv, bufs, (kernel.name, k))
+    return replace(kernel, body=Block(tuple(stmts)))
+
+
+def match(nest: Loop) -> Conv | None:
+    """``nest`` as a :class:`Conv`, if it is one and Winograd pays for it: at least
+    ``MIN_CHANNELS`` input channels (the GEMMs' depth) and ``MIN_TILES`` output tiles per row
+    tile (their width; the weight transform is paid once per run, not per tile)."""
+    conv = _match(nest)
+    if conv is None or conv.c.extent < MIN_CHANNELS or math.prod(conv.tiles) < MIN_TILES:
+        return None
+    return conv
+
+
+def _match(nest: Loop) -> Conv | None:
+    chain = ensemble_chain(nest)
+    tiles = [lp for lp in chain[1:] if lp.kind is LoopKind.TILE_OUTER]
+    dims = [lp for lp in chain[1:] if lp.kind is not LoopKind.TILE_OUTER]
+    if len(dims) != 3 or [lp.axis.dim for lp in dims] != [0, 1, 2] or len(tiles) > 1 or (
+            tiles and tiles[0].axis.dim != 1):
+        return None
+    window, leaf = [], chain[-1].body
+    while len(leaf.stmts) == 1 and isinstance(leaf.stmts[0], Loop) and leaf.stmts[0].axis is None:
+        window.append(leaf.stmts[0])
+        leaf = leaf.stmts[0].body
+    if len(leaf.stmts) != 1 or len(window) != 3 or any(lp.start for lp in [*dims, *window]):
+        return None
+    aug = leaf.stmts[0]
+    if not (isinstance(aug, AugAssign) and aug.op == "+" and isinstance(aug.target, Ref)
+            and isinstance(aug.value, BinOp) and aug.value.op == "*"):
+        return None
+    o, y, x = dims
+    tile = tiles[0] if tiles else None
+    for w_expr, s_expr in ((aug.value.lhs, aug.value.rhs), (aug.value.rhs, aug.value.lhs)):
+        guard, pad, load = None, Const(0.0), s_expr
+        if isinstance(s_expr, Select):
+            guard, pad, load = s_expr.cond, s_expr.if_false, s_expr.if_true
+        if not (isinstance(w_expr, Load) and isinstance(load, Load)):
+            continue
+        roles = _roles(load.ref, o.var, y.var, x.var, tile, window)
+        if roles is None:
+            continue
+        c, ky, kx = roles
+        windows = {lp.var for lp in window}
+        if (_index_vars(w_expr.ref) <= windows | {o.var}
+                and _is_output(aug.target, nest, o, y, x, tile, windows)
+                and aug.target.buffer not in (load.ref.buffer, w_expr.ref.buffer)
+                and not _vars(pad) and (guard is None or _vars(guard) <= _vars(load.ref))):
+            return Conv(nest, tile, o, y, x, c, ky, kx, aug.target, w_expr.ref, load.ref, guard, pad)
+    return None
+
+
+def _roles(src: Ref, o: str, y: str, x: str, tile: Loop | None, window: list[Loop]):
+    """The window loops as (channel loop, row variable, column variable) if ``src`` reads
+    ``[.., c, y + ky + a, x + kx + b]`` with ``ky``, ``kx`` over 3 values."""
+    if len(src.index) != 4 or not all(isinstance(e, Affine) for e in src.index):
+        return None
+    _, chan, row, col = src.index
+    by_var = {lp.var: lp for lp in window}
+    ky = [v for v in row.vars if v in by_var]
+    kx = [v for v in col.vars if v in by_var]
+    cs = [v for v in chan.vars if v in by_var]
+    tile_vars = {tile.var} if tile else set()
+    if not (len(ky) == len(kx) == len(cs) == 1 and len({*ky, *kx, *cs}) == 3):
+        return None
+    (ky,), (kx,), (c,) = ky, kx, cs
+    if (by_var[ky].extent, by_var[kx].extent) != (3, 3) or row.coef(y) != 1 or row.coef(ky) != 1 \
+            or col.coef(x) != 1 or col.coef(kx) != 1 or chan.vars != {c} or chan.coef(c) != 1 \
+            or row.vars - {y, ky} - tile_vars or col.vars != {x, kx} or o in src.index[0].vars:
+        return None
+    return by_var[c], ky, kx
+
+
+def _is_output(target: Ref, nest: Loop, o: Loop, y: Loop, x: Loop, tile: Loop | None,
+               windows: set) -> bool:
+    """``target`` is ``out[n, o, y (+ tile rows), x]`` of the batch item."""
+    if len(target.index) != 4 or not all(isinstance(e, Affine) for e in target.index):
+        return False
+    n, oc, row, col = target.index
+    tile_vars = {tile.var} if tile else set()
+    return (n.vars == {nest.var} and oc.vars == {o.var} and oc.coef(o.var) == 1
+            and row.coef(y.var) == 1 and not row.vars - {y.var} - tile_vars
+            and col.vars == {x.var} and col.coef(x.var) == 1 and not _index_vars(target) & windows)
+
+
+def _index_vars(ref: Ref) -> set[str]:
+    return {v for e in ref.index for v in _vars(e)}
+
+
+def _vars(e) -> set[str]:
+    return {v for n in walk(e) if isinstance(n, Affine) for v in n.vars} | {
+        n.name for n in walk(e) if isinstance(n, Var)}
+
+
+def _rewrite(conv: Conv, bufs, key: tuple) -> list:
+    """The weight transform, then the batch nest computing ``conv`` through the transforms."""
+    o, c = conv.o, conv.c
+    th, tw = conv.tiles
+    n_tiles = th * tw
+    label = f"{key[0]}.winograd{key[1]}"
+    u = bufs.derived((*key, "U"), f"{label}.U", (TILES, o.extent, c.extent))
+    v = bufs.scratch((*key, "V"), f"{label}.V", (TILES, c.extent, n_tiles))
+    m = bufs.scratch((*key, "M"), f"{label}.M", (TILES, o.extent, n_tiles))
+    names = NameGen()   # fresh names: none the nest uses
+    names.used |= _vars(conv.nest) | {n.var for n in walk(conv.nest) if isinstance(n, Loop)}
+    ty, tx, e = names("_wy"), names("_wx"), names("_we")
+    tile_at = Affine.build({ty: tw, tx: 1})
+
+    # U[e, o, c] = (G w G^T)[e]
+    w = [[Var(names(f"_ww{a}{b}")) for b in range(3)] for a in range(3)]
+    body = [Assign(w[a][b], Load(substitute(conv.weight, {conv.ky: Affine((), a),
+                                                          conv.kx: Affine((), b)})))
+            for a in range(3) for b in range(3)]
+    body += [Assign(Ref(u, (Affine((), 4 * i + j), Affine.of(o.var), Affine.of(c.var)), u.shape),
+                    _combine(G[i], G[j], w)) for i in range(4) for j in range(4)]
+    weights = _loops([o, c], body)
+
+    # the source rows the tile reads, padded: P[c, r, q] (guards only here, split off the
+    # interior), then V[e, c, p] = (B^T d B)[e] over each 4x4 patch of P
+    rows, cols = 2 * th + 2, 2 * tw + 2
+    padded = bufs.scratch((*key, "P"), f"{label}.P", (c.extent, rows, cols))
+    r, q = names("_wr"), names("_wq")
+    order = [replace(c, kind=LoopKind.SERIAL), _loop(r, rows), _loop(q, cols)]
+    at = Ref(padded, (Affine.of(TID), Affine.of(c.var), Affine.of(r), Affine.of(q)), padded.shape)
+    loops = [conv.nest, *([conv.tile] if conv.tile else []), *order]
+    copy = gather(order, at, _source(conv, r, q), loops)
+    d = [[Load(Ref(padded, (Affine.of(TID), Affine.of(c.var), Affine.of(ty, 2) + a,
+                            Affine.of(tx, 2) + b), padded.shape)) for b in range(4)] for a in range(4)]
+    body = [Assign(Ref(v, (Affine.of(TID), Affine((), 4 * i + j), Affine.of(c.var), tile_at),
+                       v.shape), _combine(BT[i], BT[j], d)) for i in range(4) for j in range(4)]
+    inputs = _loops([c, _loop(ty, th), _loop(tx, tw)], body)
+
+    # M[e] = U[e] @ V[e]
+    per = (o.extent * c.extent, c.extent * n_tiles, o.extent * n_tiles)
+    gemm = Gemm(o.extent, n_tiles, c.extent,
+                u, Affine.of(e, per[0]), c.extent, False,
+                v, Affine.build({TID: TILES * per[1], e: per[1]}), n_tiles, False,
+                m, Affine.build({TID: TILES * per[2], e: per[2]}), n_tiles, beta=0.0)
+    products = Loop(e, 0, TILES, Block((gemm,)))
+
+    # out[.., o, 2ty + i, 2tx + j] += (A^T M A)[i, j]
+    mm = [[Var(names(f"_wm{a}{b}")) for b in range(4)] for a in range(4)]
+    body = [Assign(mm[a][b], Load(Ref(m, (Affine.of(TID), Affine((), 4 * a + b),
+                                          Affine.of(o.var), tile_at), m.shape)))
+            for a in range(4) for b in range(4)]
+    for i in range(2):
+        for j in range(2):
+            out = substitute(conv.target, {conv.y.var: Affine.of(ty, 2) + i,
+                                           conv.x.var: Affine.of(tx, 2) + j})
+            store = AugAssign(out, "+", _combine(AT[i], AT[j], mm))
+            partial = _partial([(ty, i, conv.y.extent), (tx, j, conv.x.extent)])
+            body.append(store if partial is None else If(partial, Block((store,))))
+    outputs = _loops([o, _loop(ty, th), _loop(tx, tw)], body)
+
+    inner = Block((copy, inputs, products, outputs))
+    if conv.tile is not None:
+        inner = Block((replace(conv.tile, body=inner),))
+    return [weights, replace(conv.nest, body=inner)]
+
+
+def _loop(var: str, extent: int) -> Loop:
+    return Loop(var, 0, extent, Block(()))
+
+
+def _loops(loops: list[Loop], body: list) -> Loop:
+    """``loops`` (outermost first, their bodies replaced) around ``body``."""
+    block = Block(tuple(body))
+    for lp in reversed(loops):
+        block = Block((replace(lp, body=block, kind=LoopKind.SERIAL),))
+    return block.stmts[0]
+
+
+def _combine(left, right, terms) -> Expr:
+    """``sum(left[a] * right[b] * terms[a][b])`` with the zero coefficients left out."""
+    out = None
+    for a, la in enumerate(left):
+        for b, rb in enumerate(right):
+            k = la * rb
+            if k == 0:
+                continue
+            term = terms[a][b] if abs(k) == 1 else BinOp("*", Const(float(abs(k))), terms[a][b])
+            out = term if out is None and k > 0 else (
+                BinOp("-", Const(0.0), term) if out is None else BinOp("+" if k > 0 else "-", out, term))
+    return out if out is not None else Const(0.0)
+
+
+def _source(conv: Conv, r: str, q: str) -> Expr:
+    """Row ``r`` and column ``q`` of the source rows a row tile reads (from the row and
+    column of its first output, less the padding): the source through the original guard,
+    and the padding value where a partial tile reaches past the source."""
+    at = {conv.y.var: Affine.of(r), conv.ky: Affine(), conv.x.var: Affine.of(q), conv.kx: Affine()}
+    ref = substitute(conv.source, at)
+    view = ref.view
+    checks = [Compare(">=", ref.index[2], Const(0)), Compare("<", ref.index[2], Const(view[2])),
+              Compare(">=", ref.index[3], Const(0)), Compare("<", ref.index[3], Const(view[3]))]
+    if conv.guard is not None:
+        guard = substitute(conv.guard, at)
+        checks = [*(guard.values if isinstance(guard, BoolOp) and guard.op == "and" else [guard]),
+                  *checks]
+    return Select(BoolOp("and", tuple(checks)), Load(ref), conv.pad)
+
+
+def _partial(dims: list[tuple[str, int, int]]) -> Expr | None:
+    """The condition that output ``2 * var + i`` lies below ``extent``, for every dimension
+    with an odd extent (a partial last tile); None if every tile is whole."""
+    terms = [Compare("<", Affine.of(var, 2) + i, Const(extent))
+             for var, i, extent in dims if extent % 2 and i]
+    return None if not terms else terms[0] if len(terms) == 1 else BoolOp("and", tuple(terms))
+

@@ -1,0 +1,124 @@
+"""Winograd F(2x2, 3x3) (latte/compiler/passes/winograd.py): which nests it takes, and that
+what it computes equals opt level 0 (the direct sums) on odd sizes, padding, batches and
+threads, alone and inside fused groups."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import WeightedSumLoss
+
+from latte import Ensemble, Net, Neuron, Param, Phase, add_connections
+from latte.compiler.ir import Gemm, walk
+from latte.compiler.passes.tiling import is_batch_loop
+from latte.compiler.passes.winograd import match
+from latte.stdlib import ConvolutionLayer, MaxPoolingLayer, MemoryDataLayer, ReLULayer
+
+
+def _uses_winograd(net) -> bool:
+    return any(g.a_buf.key[0] == "derived" for p in net.program.plans
+               for k in p.kernels.values() for g in walk(k.body) if isinstance(g, Gemm))
+
+
+def _run(level: int, build, shape, batch: int, threads: int, seed: int = 0):
+    net = Net(batch, opt_level=level, num_threads=threads, seed=1)
+    x = MemoryDataLayer(net, "x", shape)
+    x.needs_grad = True
+    out = build(net, x)
+    WeightedSumLoss(net, "loss", out)
+    net.init()
+    net.value(x)[...] = np.random.default_rng(seed).standard_normal((batch, *shape))
+    net.forward()
+    net.backward()
+    test = net.predict(np.random.default_rng(seed + 1).standard_normal((batch, *shape)), out)
+    return net, (net.value(out).copy(), net.grad(x).copy(), test,
+                 *[p.grad.copy() for p in net.params])
+
+
+def _close(got, want, tol=2e-5):
+    for g, w in zip(got, want):
+        scale = max(float(np.abs(w).max()), 1e-3)
+        assert np.abs(g - w).max() <= tol * scale, (np.abs(g - w).max(), scale)
+
+
+def _conv(n_filters, pad):
+    return lambda net, x: ConvolutionLayer("conv", net, x, n_filters, 3, pad=pad)
+
+
+def _conv_relu_pool(net, x):
+    conv = ConvolutionLayer("conv", net, x, 12, 3, pad=1)
+    return MaxPoolingLayer("pool", net, ReLULayer("relu", net, conv), 2)
+
+
+@pytest.mark.parametrize("shape,batch,threads,build", [
+    ((8, 16, 16), 1, 1, _conv(8, 1)),      # whole tiles
+    ((9, 13, 17), 2, 2, _conv(10, 1)),     # odd rows and columns: partial tiles
+    ((8, 15, 11), 3, 2, _conv(8, 0)),      # no padding
+    ((16, 28, 28), 1, 2, _conv(16, 1)),    # one image on two threads (shared statements)
+    ((8, 24, 24), 2, 2, _conv_relu_pool),  # fused with a ReLU and a pool
+], ids=["whole", "odd", "unpadded", "one-image", "fused"])
+@pytest.mark.parametrize("level", [2, 3])
+def test_winograd_equals_level_0(level, shape, batch, threads, build):
+    net, got = _run(level, build, shape, batch, threads)
+    assert _uses_winograd(net)
+    _, want = _run(0, build, shape, batch, threads)
+    _close(got, want)
+
+
+def test_winograd_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("LATTE_WINOGRAD", "0")
+    net, got = _run(3, _conv(8, 1), (8, 16, 16), 1, 1)
+    assert not _uses_winograd(net)
+
+
+class _PaddedWindow(Neuron):
+    """A user's 3x3 window sum with weights, padded with 0.5: Winograd reads the padding."""
+
+    weights: Param
+
+    def forward(self):
+        for i in range(len(self.inputs[0])):
+            self.value += self.weights[i] * self.inputs[0][i]
+
+
+def _user_window(net, x):
+    w = np.random.default_rng(2).standard_normal((6, 8 * 9)).astype(np.float32)
+    ens = Ensemble(net, "window", _PaddedWindow, (6, 12, 12), weights=(w, lambda o, y, x: o))
+    add_connections(net, x, ens, lambda o, y, x: (range(0, 8), range(y - 1, y + 2),
+                                                  range(x - 1, x + 2)), padding=0.5)
+    return ens
+
+
+def test_a_user_neuron_with_nonzero_padding():
+    net, got = _run(3, _user_window, (8, 12, 12), 2, 2)
+    assert _uses_winograd(net)
+    _, want = _run(0, _user_window, (8, 12, 12), 2, 2)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("kwargs,channels,size", [
+    ({"stride": 2, "pad": 1}, 8, 16),       # strided
+    ({"dilation": 2, "pad": 2}, 8, 16),     # dilated
+    ({"pad": 2}, 8, 16),                    # a 5x5 window below (kernel 5)
+    ({"pad": 1}, 3, 32),                    # too few input channels to pay
+    ({"pad": 1, "groups": 2}, 8, 16),       # grouped
+    ({"pad": 1}, 8, 7),                     # 7x7 outputs: too few tiles to pay
+], ids=["stride", "dilation", "5x5", "3-channels", "groups", "7x7"])
+def test_what_winograd_does_not_take(kwargs, channels, size):
+    net = Net(1, opt_level=2)
+    x = MemoryDataLayer(net, "x", (channels, size, size))
+    kernel = 5 if kwargs.get("pad") == 2 and "dilation" not in kwargs else 3
+    ConvolutionLayer("conv", net, x, 8, kernel, **kwargs)
+    net.init()
+    assert not _uses_winograd(net)
+    nests = [s for p in net.program.plans for s in p.kernels["forward"].body.stmts
+             if is_batch_loop(s)]
+    assert not any(match(s) for s in nests)
+
+
+def test_test_phase_and_explain_name_it():
+    from latte.compiler.explain import explain_program
+
+    net, _ = _run(3, _conv(8, 1), (8, 16, 16), 1, 1)
+    assert "Winograd F(2x2, 3x3)" in explain_program(net.program)
+    net.forward(Phase.TEST)   # the test program runs the same kernels
