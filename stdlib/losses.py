@@ -15,6 +15,8 @@ from latte.errors import ShapeError
 from latte.lang import DataEnsemble, NormalizationEnsemble
 from latte.runtime import distributed
 
+ROUNDING = 16 * float(np.finfo(np.float32).eps)   # how far rounding may carry a computed target
+
 
 def _check_source(label, who: str, **accepts) -> None:
     """Have ``label``'s data source check every label it holds (when it can)."""
@@ -123,11 +125,13 @@ class _TargetLoss(NormalizationEnsemble):
     def forward(self, inputs, value, valid):
         x, t = self._pair(inputs, valid)
         if self.bounds is not None:   # checked once per batch: backward sees the same targets
-            bad = (t < self.bounds[0]) | (t > self.bounds[1])
+            lo, hi = self.bounds   # up to float32's rounding (a computed 1 - 1e-9 may round up)
+            bad = (t < lo - ROUNDING * max(1.0, abs(lo))) | (t > hi + ROUNDING * max(1.0, abs(hi)))
             if bad.any():
                 i, j = np.unravel_index(int(np.argmax(bad)), bad.shape)
-                raise ShapeError(f"loss {self.name!r}: target {t[i, j]:g} of batch item {i} "
-                                 f"is not in [{self.bounds[0]:g}, {self.bounds[1]:g}]")
+                raise ShapeError(f"loss {self.name!r}: target {t[i, j]:.9g} of batch item {i} "
+                                 f"is not in [{lo:g}, {hi:g}]")
+            t = np.clip(t, lo, hi)
         per_item = self.elementwise(x, t).sum(axis=1)
         value[...] = 0.0
         value[:valid, 0] = per_item
