@@ -17,6 +17,7 @@ derives the same strides from the access relations (paper figure 11).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -175,6 +176,7 @@ def tile_boxes(nest: Loop, extents: dict[str, int], batch: str, tiled: str, size
     return boxes
 
 
+@functools.lru_cache(maxsize=4096)
 def tile_rows(x, batch: str, tile: str) -> tuple[int, int] | None:
     """``(dim, rows per tile)`` if access ``x`` touches, in tile ``t`` of a batch item, only
     rows of ``[t * rows, (t + 1) * rows)`` of one dimension of its buffer (and nothing of
@@ -200,7 +202,8 @@ def tile_rows(x, batch: str, tile: str) -> tuple[int, int] | None:
     if len(moved) != 1:
         return None
     (d,) = moved
-    step = np.unique(there[d] - here[d])
-    if len(step) != 1 or here[d].min() < 0 or here[d].max() >= step[0]:
+    step = there[d] - here[d]
+    lo, hi = int(step.min()), int(step.max())
+    if lo != hi or here[d].min() < 0 or here[d].max() >= lo:
         return None
-    return d, int(step[0])
+    return d, lo
