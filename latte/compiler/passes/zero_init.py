@@ -106,8 +106,11 @@ def _first_write(s, buf: Buffer, zeroed: Region) -> list:
     region of it and nothing else does (properties 1-3 of the module docstring): one GEMM or
     store, or several stores under the same loops whose offsets differ by constants (the
     four outputs of a Winograd 2x2 tile). Empty if not."""
+    mine = [a for a in accesses(s) if a.buffer is buf]
+    if not mine or not all(a.written for a in mine):   # a read: not the first writer alone
+        return []
     found = [(node, loops) for node, loops in _in_order(s) if buf in _touched(node)]
-    if not found or sum(a.buffer is buf for a in accesses(s)) != len(found):
+    if len(found) != len(mine):
         return []
     loops = found[0][1]
     if loops is None or not all(ls is not None and len(ls) == len(loops) and all(
