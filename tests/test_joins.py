@@ -17,6 +17,7 @@ import pytest
 from helpers import WeightedSumLoss, fill
 
 from latte import Ensemble, Net, Neuron, add_connections
+from latte.compiler.explain import explain_program
 from latte.compiler.ir import Gemm, accesses, walk
 from latte.lang import ActivationEnsemble, DataEnsemble, NormalizationEnsemble
 from latte.stdlib import (
@@ -186,6 +187,7 @@ def test_joins_that_stay_copies(case):
         net, got = run(build, level, threads=2, shape=(3, 4, 8))
         (join,) = [j for j in net.program.joins if j.ensemble.name == "cat"]
         assert join.why_not is not None and join.why_not.startswith(why), join.why_not
+        assert f"'cat': a copy: {join.why_not}" in explain_program(net.program)
         assert not net.program.buffers.windows
         assert_same(got, want, f"{case} at level {level}")
 
@@ -210,6 +212,7 @@ def test_nested_joins_and_vectors_over_time_steps(opt_level):
     net, got = run(_nested, opt_level, threads=2, shape=(3, 4, 8))
     assert_same(got, want, "nested")
     zero_copy(net, "cat")
+    assert "'inner': zero-copy: 'a_relu' from channel 0, 'b' from channel 3" in explain_program(net.program)
     bufs = net.program.buffers
     home, offset = bufs.home(bufs.value(net.ensemble("a")))
     assert home is bufs.value(net.ensemble("cat")) and offset == 1 * 4 * 8   # after c's channel
