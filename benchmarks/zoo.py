@@ -3,7 +3,7 @@ onnxruntime.
 
     python benchmarks/zoo.py [--nets alexnet vgg16 resnet18 resnet50] [--size 224]
                              [--modes inference training] [--threads 1 2] [--repeat 10]
-                             [--quick] [--stock-malloc]
+                             [--quick] [--stock-malloc] [--layers]
 
 Per net (``latte.zoo``, 1000 classes, float32): inference at batch 1 (a test-phase forward;
 onnxruntime runs the PyTorch twin exported to ONNX in a temporary folder) and one SGD
@@ -15,7 +15,9 @@ milliseconds, GFLOP/s (multiply-adds of convolutions and FC layers counted twice
 training step as three forwards) and other/latte (above 1: latte is faster). A latte worker
 first runs once on an empty compile cache (cold ``net.init()``), then again on the filled
 one (warm), and is timed in that second run. Validate at small settings, e.g.
-``--size 64 --nets alexnet --repeat 2 --threads 1``.
+``--size 128 --nets alexnet --repeat 2 --threads 1``. ``--layers`` times latte alone, one
+native segment per ensemble (or fused group), and prints each one's milliseconds, GFLOP/s and
+share of the machine's peak (``latte run --profile``'s table).
 """
 
 from __future__ import annotations
@@ -48,13 +50,14 @@ CLASSES = 1000
 
 
 # ------------------------------------------------------------------ the nets
-def latte_net(name: str, size: int, batch: int, training: bool, threads: int):
+def latte_net(name: str, size: int, batch: int, training: bool, threads: int,
+              profile: bool = False):
     """The zoo net in latte, compiled (``init_s``: the time ``net.init()`` took)."""
     from latte import Net  # noqa: PLC0415
     from latte.stdlib import MemoryDataLayer, SoftmaxLossLayer  # noqa: PLC0415
     from latte.zoo import NETS as ZOO  # noqa: PLC0415
 
-    net = Net(batch, num_threads=threads, seed=0)
+    net = Net(batch, num_threads=threads, seed=0, profile=profile)
     data = MemoryDataLayer(net, "data", (3, size, size))
     data.needs_grad = False   # an image, as in torch: no input gradient
     logits = ZOO[name](net, data, CLASSES)
@@ -102,10 +105,12 @@ def gflop(name: str, size: int) -> float:
 # ------------------------------------------------------------------ workers
 def latte_worker(args) -> dict:
     training = args.mode == "training"
-    net, init_s = latte_net(args.net, args.size, MODES[args.mode], training, args.threads[0])
+    net, init_s = latte_net(args.net, args.size, MODES[args.mode], training, args.threads[0],
+                            profile=args.layers)
     if args.compile_only:
         return {"init_s": init_s}
     from latte import Phase  # noqa: PLC0415
+    from latte.compiler.machine import peak  # noqa: PLC0415
 
     def step():
         net.forward()
@@ -113,6 +118,12 @@ def latte_worker(args) -> dict:
         net.update(0.01, 0.9, 0.0005)
 
     fn = step if training else (lambda: net.forward(Phase.TEST))
+    if args.layers:   # one native segment per ensemble (or fused group), each timed
+        for _ in range(args.warmup):
+            fn()
+        net.profile.reset()
+        ms = median_ms(fn, 0, args.repeat)
+        return {"ms": ms, "init_s": init_s, "layers": net.profile.format(peak())}
     return {"ms": median_ms(fn, args.warmup, args.repeat), "init_s": init_s,
             "from_cache": bool(net.program.library.from_cache)}
 
@@ -178,7 +189,7 @@ def worker(args) -> None:
 def run(args, framework: str, net: str, mode: str, threads: int, cache: str,
         compile_only: bool = False) -> dict | None:
     extra = ["--net", net, "--mode", mode, "--size", str(args.size), "--repeat",
-             str(args.repeat), "--warmup", str(args.warmup)]
+             str(args.repeat), "--warmup", str(args.warmup), *(["--layers"] if args.layers else [])]
     env = dict(LATTE_CACHE_DIR=cache, **({} if args.stock_malloc else KEEP_FREED_MEMORY))
     return run_worker(__file__, framework, threads,
                       extra + (["--compile-only"] if compile_only else []), env)
@@ -194,6 +205,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 repetitions")
+    ap.add_argument("--layers", action="store_true",
+                    help="latte alone: each ensemble's time, GFLOP/s and share of the peak")
     ap.add_argument("--stock-malloc", action="store_true",
                     help="leave glibc malloc as it is (see harness.KEEP_FREED_MEMORY)")
     ap.add_argument("--worker", default=None, help="internal: run one measurement")
@@ -205,6 +218,16 @@ def main() -> None:
         args.repeat, args.warmup = 2, 1
     if args.worker:
         return worker(args)
+    if args.layers:
+        for net in args.nets:
+            for mode in args.modes:
+                for threads in args.threads:
+                    result = run(args, "latte", net, mode, threads, tempfile.gettempdir())
+                    if result is not None:
+                        print(f"latte {net}, {mode} (batch {MODES[mode]}), {threads} thread(s), "
+                              f"{args.size}x{args.size}: {result['ms']:.1f} ms a run (profiled)")
+                        print(result["layers"])
+        return
     load, rows = OtherLoad(), []
     for net in args.nets:
         flop = gflop(net, args.size)
