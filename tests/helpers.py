@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from latte import NormalizationEnsemble
+from latte.reference import hosts
+from latte.reference.rounding import U
 
 OPT_LEVELS = (0, 1, 2)
 MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
@@ -36,6 +38,16 @@ class WeightedSumLoss(NormalizationEnsemble):
 
     def backward(self, inputs, grad_inputs, value, grad, valid):
         grad_inputs[0] += self.w
+
+
+def _weighted_sum_bound(norm, inputs, radii, value, valid):
+    """``sum(w * x)`` per item moves by ``sum(|w| r)``, plus storing it in float32."""
+    terms = (np.abs(norm.w) * radii[0]).reshape(len(norm.w), -1).sum(axis=1)
+    return terms[:, None] + U * np.abs(value)
+
+
+hosts.register(WeightedSumLoss, _weighted_sum_bound,   # its gradient, w, is exact
+               lambda norm, inputs, radii, grad, grad_radius, valid: [np.zeros(inputs[0].shape)])
 
 
 def softmax_xent(logits: np.ndarray, labels: np.ndarray) -> tuple[float, np.ndarray]:

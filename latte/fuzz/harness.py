@@ -8,6 +8,15 @@ reference one step at a time (from level 0's parameters), skipping entries that 
 near-tie; both comparisons allow each entry the difference that rounding alone makes to it
 (see :func:`_reference_step`). Nets compile with ``LATTE_CHECK_BOUNDS=1``.
 Mismatches are returned as :class:`Mismatch` records naming their case's seed.
+
+Each entry may differ by a tolerance relative to its array's scale, plus the larger of two
+measures of rounding: its *window*, float32's rounding bound, an interval around the exact
+value which the reference computes along with it (:mod:`latte.reference.rounding`: wide
+where float32 cannot do better, terms that cancel in a sum, a softmax of large logits, a
+value float32 cannot hold, and only there; level 0 must lie in it, and a level L too, so
+the two may differ by its width), and its *spread*, how far the jittered references move
+it (what rounding does to a branch: a tie, an ``if`` on a sum that is zero but for
+rounding, which the window does not model).
 """
 
 from __future__ import annotations
@@ -20,7 +29,6 @@ from typing import Callable
 import numpy as np
 
 from latte import Net, Phase
-from latte.check import sum_rounding
 from latte.fuzz.nets import Case, Config, build_case, case_of, config, normal
 from latte.lang import DataEnsemble, NormalizationEnsemble
 from latte.stdlib import DropoutEnsemble
@@ -47,34 +55,43 @@ class Mismatch:
     error: float
     scale: float
     index: tuple
+    bound: float = 0.0   # what the error there had to stay under
 
     def __str__(self) -> str:
         return (f"case {self.seed}: {self.what} differs from {self.against}: max error "
-                f"{self.error:.3g} at {self.index} (scale {self.scale:.3g})")
+                f"{self.error:.3g} at {self.index} (scale {self.scale:.3g}, bound {self.bound:.3g})")
 
 
-def _errors(got, want, tol: float) -> tuple[np.ndarray, float, float]:
-    """Per-entry errors, the bound they must stay under and ``want``'s scale (the bound is
-    relative to it)."""
+def _errors(got, want, tol: float, window: tuple = (0.0, 0.0)) -> tuple[np.ndarray, np.ndarray,
+                                                                         float]:
+    """Per-entry errors, the bounds they must stay under (:func:`_bound`, plus rounding's
+    ``window``: ``got - want`` may reach ``-window[0]`` and ``window[1]``; NaN where both are
+    infinite, anything where ``want`` is NaN) and ``want``'s scale."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    bound, scale = _bound(want, tol)
-    err = np.abs(got - want)
+    below, above = (np.broadcast_to(w, want.shape) for w in window)
+    bound, scale = _bound(want, tol, np.isfinite(below) & np.isfinite(above))
+    with np.errstate(invalid="ignore"):
+        diff = got - want
+        side = np.where(np.isnan(diff), np.minimum(below, above), np.where(diff < 0, below, above))
+    err = np.abs(diff)
     err[np.isnan(got) != np.isnan(want)] = np.inf
-    return np.nan_to_num(err, nan=0.0), bound, scale
+    return np.nan_to_num(err, nan=0.0), bound + np.where(np.isnan(side), np.inf, side), scale
 
 
-def _bound(want: np.ndarray, tol: float) -> tuple[float, float]:
-    """The bound of errors against ``want`` and its scale (the bound is relative to it)."""
-    scale = max(float(np.abs(want).max()), 1e-2)
+def _bound(want: np.ndarray, tol: float, held=True) -> tuple[float, float]:
+    """The bound of errors against ``want`` and its scale (the bound is relative to it):
+    the largest entry float32 can hold (where ``held``)."""
+    held = np.broadcast_to(held, np.shape(want)) & ~np.isnan(want)
+    scale = max(float(np.abs(want, where=held, out=np.zeros(np.shape(want))).max()), 1e-2)
     return tol * scale + ATOL, scale
 
 
 def _compare(out: list, what: str, name: str, got, want, tol: float, against: str,
-             fragile: np.ndarray | None = None, floor: float = 0.0,
-             spread: np.ndarray | None = None) -> None:
-    """Record a mismatch of ``got`` against ``want``, ignoring ``fragile`` entries, errors
-    under ``floor`` (the rounding of a parameter gradient's sum) and, per entry, as much
-    error as ``spread`` (how far rounding moves it, see :func:`_reference_step`)."""
+             fragile: np.ndarray | None = None, spread: np.ndarray | None = None,
+             window: tuple = (0.0, 0.0)) -> None:
+    """Record a mismatch of ``got`` against ``want``, ignoring ``fragile`` entries and
+    allowing each entry, beyond the bound, the larger of its ``spread`` (how far rounding
+    moves it, see :func:`_reference_step`) and its rounding ``window`` (see :func:`_errors`)."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     if got.shape != want.shape:
         out.append(Mismatch(case_of(name), f"{what} {name} shape {got.shape} vs {want.shape}",
@@ -82,15 +99,16 @@ def _compare(out: list, what: str, name: str, got, want, tol: float, against: st
         return
     if got.size == 0:
         return
-    err, bound, scale = _errors(got, want, tol)
+    err, bound, scale = _errors(got, want, tol, window)
+    if spread is not None:
+        bound = np.fmax(bound, tol * scale + ATOL + spread)
     if fragile is not None:
         err[fragile] = 0.0
-    excess = err if spread is None else err - spread
-    if excess.max() > max(bound, floor):
-        worst = int(np.argmax(excess))
-        idx = tuple(int(i) for i in np.unravel_index(worst, err.shape))
-        out.append(Mismatch(case_of(name), f"{what} {name}", against, float(err.flat[worst]),
-                            scale, idx))
+    if not (err <= bound).all():
+        excess = np.where(err <= bound, -np.inf, err - bound)
+        idx = tuple(int(i) for i in np.unravel_index(int(np.argmax(excess)), err.shape))
+        out.append(Mismatch(case_of(name), f"{what} {name}", against, float(err[idx]), scale,
+                            idx, float(bound[idx])))
 
 
 def build(seeds: list[int], cfg: Config, level: int, loss: Callable | None = None,
@@ -158,48 +176,66 @@ def check_cases(seeds: list[int], *, level: int | None = None, reference: bool =
             net.forward(Phase.TRAIN)
             net.backward()
         timings["run"] = timings.get("run", 0.0) + time.process_time() - start
+        bounds = None
         if refs is not None:
             start = time.process_time()
             spread, fragile = _reference_step(out, refs, base, feed, labels, step, nudges)
+            bounds = refs[0].bounds
             timings["reference"] = timings.get("reference", 0.0) + time.process_time() - start
-        _compare_nets(out, f"step {step}", base, opt, tol, against, spread)
+        _compare_nets(out, f"step {step}", base, opt, tol, against, spread, bounds)
         if step == STEPS:
             break
         if lr is None:   # steps of at most LR per element: random nets are steep
             lr = LR / max([1.0, *(float(np.abs(p.grad).max()) for p in base.params)])
         for net in (base, opt):
             net.update(lr, *SGD)
-        _compare_updates(out, f"step {step} update", base, opt, tol, against, spread)
         if refs is not None:
             _reference_update(out, refs[0], base, step, lr, fragile)
+        _compare_updates(out, f"step {step} update", base, opt, tol, against, spread, bounds)
     return out
 
 
 def _compare_nets(out, what: str, base: Net, opt: Net, tol: float, against: str,
-                  spread: dict) -> None:
+                  spread: dict, bounds) -> None:
     """Compare ``opt``'s values and gradients with ``base``'s, allowing each entry its
-    ``spread`` (``(store, name)`` -> array)."""
+    ``spread`` (``(store, name)`` -> array) or its window's width (:func:`_width`)."""
     for e in _computed(base):
         _compare(out, f"{what} value", e.name, opt.value(e.name), base.value(e), tol, against,
-                 spread=spread.get(("values", e.name)))
+                 spread=spread.get(("values", e.name)), window=_width(bounds, "values", e.name))
         if not isinstance(e, DataEnsemble) or getattr(e, "needs_grad", False):
             _compare(out, f"{what} grad", e.name, opt.grad(e.name), base.grad(e), tol, against,
-                     spread=spread.get(("grads", e.name)))
+                     spread=spread.get(("grads", e.name)), window=_width(bounds, "grads", e.name))
     for p, q in zip(base.params, opt.params):
         _compare(out, f"{what} param grad", p.name, q.grad, p.grad, tol, against,
-                 floor=sum_rounding(base, p), spread=spread.get(("param_grads", p.name)))
+                 spread=spread.get(("param_grads", p.name)),
+                 window=_width(bounds, "param_grads", p.name))
 
 
 def _compare_updates(out, what: str, base: Net, opt: Net, tol: float, against: str,
-                     spread: dict) -> None:
-    """Compare ``opt``'s parameters after an update with ``base``'s; where rounding moved
-    a gradient entry past the bound, skip them and give ``opt`` ``base``'s (the next steps
-    compare from there)."""
+                     spread: dict, bounds) -> None:
+    """Compare ``opt``'s parameters after an update with ``base``'s, skipping them where
+    rounding moved a gradient entry past the bound; then give ``opt`` ``base``'s parameters
+    and momenta: the next step compares from one state (the windows hold from there)."""
     for p, q in zip(base.params, opt.params):
         skip = _past(p.grad, spread.get(("param_grads", p.name)), tol)
-        _compare(out, what, p.name, q.value, p.value, tol, against, skip)
-        q.value[skip] = p.value[skip]
-        q.history[skip] = p.history[skip]
+        _compare(out, what, p.name, q.value, p.value, tol, against, skip,
+                 window=_width(bounds, "params", p.name))
+        q.value[...], q.history[...] = p.value, p.history
+
+
+def _width(bounds, store: str, name: str) -> tuple:
+    """How far rounding may set an optimized level's entries from level 0's, either way:
+    the width of the window both lie in (0 without a reference)."""
+    if bounds is None:
+        return 0.0, 0.0
+    width = getattr(bounds.hi, store)[name] - getattr(bounds.lo, store)[name]
+    return width, width
+
+
+def _around(ref, store: str, name: str) -> tuple:
+    """How far below and above the reference's entries level 0 may lie: its window."""
+    want = getattr(ref, store)[name]
+    return want - getattr(ref.bounds.lo, store)[name], getattr(ref.bounds.hi, store)[name] - want
 
 
 def _past(want, spread: np.ndarray | None, tol: float) -> np.ndarray:
@@ -211,13 +247,13 @@ def _past(want, spread: np.ndarray | None, tol: float) -> np.ndarray:
 
 def _references(net: Net) -> list | None:
     """Five reference interpreters (or None while ``latte.reference`` is not there): one
-    for the comparison, two that run on inputs and parameters nudged by +-NUDGE, two that
-    perturb every value they compute by +-JITTER."""
+    for the comparison, which bounds float32's rounding, two that run on inputs and
+    parameters nudged by +-NUDGE, two that perturb every value they compute by +-JITTER."""
     try:
         from latte.reference import Reference
     except ImportError:
         return None
-    refs = [Reference(net) for _ in range(5)]
+    refs = [Reference(net, bounds=True), *(Reference(net) for _ in range(4))]
     refs[3].jitter, refs[4].jitter = JITTER, -JITTER
     return refs
 
@@ -238,19 +274,19 @@ def _reference_step(out: list, refs: list, base: Net, feed: dict, labels: set, s
     ref, nudged, jittered = refs[0], refs[1:3], refs[3:]
     spread, fragile = {}, {}
 
-    def check(what: str, name: str, got, store: str, floor: float = 0.0) -> None:
+    def check(what: str, name: str, got, store: str) -> None:
         want = getattr(ref, store)[name]
         spread[store, name] = _spread(jittered, store, name, want)
         near_tie = _past(want, _spread(nudged, store, name, want), TOL_REFERENCE)
         fragile[store, name] = near_tie | _past(want, spread[store, name], TOL_REFERENCE)
         _compare(out, f"step {step} {what}", name, got, want, TOL_REFERENCE, "reference",
-                 near_tie, floor, spread[store, name])
+                 near_tie, spread[store, name], _around(ref, store, name))
 
     for e in _computed(base):
         check("value", e.name, base.value(e), "values")
         check("grad", e.name, base.grad(e), "grads")
     for p in base.params:
-        check("param grad", p.name, p.grad, "param_grads", sum_rounding(base, p))
+        check("param grad", p.name, p.grad, "param_grads")
     return spread, fragile
 
 
@@ -284,4 +320,4 @@ def _reference_update(out: list, ref, base: Net, step: int, lr: float, fragile: 
     ref.sgd_step(lr, *SGD)
     for p in base.params:
         _compare(out, f"step {step} update", p.name, p.value, ref.params[p.name], TOL_REFERENCE,
-                 "reference", fragile["param_grads", p.name])
+                 "reference", fragile["param_grads", p.name], window=_around(ref, "params", p.name))

@@ -16,7 +16,7 @@ import numpy as np
 from latte.compiler.frontend import NeuronRef
 from latte.errors import MappingError, NeuronRuntimeError, ShapeError
 from latte.lang import Connection, FieldData, FieldKind
-from latte.reference import tape
+from latte.reference import rounding, tape
 
 Mask = Union[bool, np.ndarray]   # True: every lane; else a bool array broadcasting to lanes
 
@@ -109,12 +109,15 @@ def field_rows(ens, f: FieldData) -> np.ndarray:
 @dataclass(eq=False)
 class Slot:
     """A field as the neurons see it: ``array`` is ``(rows, vector)`` (``(batch, rows,
-    vector)`` for a Batch field), ``grad`` the parameter gradient (None for other kinds)."""
+    vector)`` for a Batch field), ``grad`` the parameter gradient (None for other kinds),
+    ``grad_interval`` its rounding bound, ``(lo, hi, partials)`` shaped alike (None: not
+    bounded; see :func:`_add_into`)."""
 
     data: FieldData
     array: np.ndarray
     rows: np.ndarray
     grad: np.ndarray | None
+    grad_interval: tuple | None = None
 
 
 class Frame:
@@ -123,16 +126,28 @@ class Frame:
     ``sources[k]`` / ``source_grads[k]`` are connection ``k``'s source values and gradients,
     flat ``(batch, source size)`` (a gradient None: nothing flows there). With ``trace`` every
     input and parameter read is a :class:`tape.Node` whose gradient lands where a
-    ``grad_inputs``/``grad_<param>`` ``+=`` would put it. ``jitter(shape)``, when given,
-    draws the factors :meth:`rounded` multiplies computed values by.
+    ``grad_inputs``/``grad_<param>`` ``+=`` would put it. With ``intervals`` (the sources'
+    rounding bounds, ``(lo, hi)`` shaped like them, and ``grad_intervals`` the source
+    gradients', ``(lo, hi, partials)``) every float read and constant is bounded
+    (:mod:`latte.reference.rounding`), and every ``+=`` into a gradient widens the
+    gradient's bound by the terms' and adds its partial sums' magnitudes; ``value`` and
+    ``grad`` then come bounded too. ``jitter(shape)``, when given, draws the factors
+    :meth:`rounded` multiplies computed values by.
     """
 
     def __init__(self, ens, tables: list[Table], sources: list[np.ndarray],
                  source_grads: list[np.ndarray | None], slots: dict[str, Slot], value, grad,
-                 batch: int, trace: bool = False, jitter: Callable | None = None):
+                 batch: int, trace: bool = False, jitter: Callable | None = None,
+                 intervals: list[tuple] | None = None,
+                 grad_intervals: list[tuple | None] | None = None):
         self.ens, self.tables, self.sources, self.source_grads = ens, tables, sources, source_grads
         self.slots, self.value, self.grad, self.trace = slots, value, grad, trace
         self.jitter = jitter
+        self.intervals = intervals
+        self.grad_intervals = grad_intervals or [None] * len(tables)
+        self.bounded = intervals is not None
+        self.overflow = False   # the lanes where a computed value may not fit float32
+        self.leaves = [value] if isinstance(value, tape.Node) and value.sink else []
         self.lanes = (batch, ens.size)
         self.loc = None   # the statement being run (ir.Loc), for errors
         # traced Batch field writes at constant indices, so the tape follows a value kept in
@@ -207,21 +222,51 @@ class Frame:
         if ref.kind == "input":
             t = self.tables[ref.conn]
             cols, valid = self._columns(t, i)
-            src = self.sources[ref.conn]
-            v = (src[:, cols[0]] if cols.shape[0] == 1 else
-                 np.take_along_axis(src, np.broadcast_to(cols, self.lanes), 1))
-            if valid is not None:
-                v = np.where(valid, v, t.conn.padding)
-            if self.trace:
-                return tape.Node(v, sink=lambda g: self._scatter(ref.conn, i, g))
-            return v
+            v = self._gather(self.sources[ref.conn], cols, valid, t.conn.padding)
+            iv = (tuple(self._gather(e, cols, valid, t.conn.padding) for e in self.intervals[ref.conn])
+                  if self.bounded else None)
+            sink = (lambda g: self._scatter(ref.conn, i, g)) if self.trace else None
+            return self._leaf(v, sink, iv)
         if isinstance(i, int) and (ref.name, i) in self.kept:
             return self.kept[ref.name, i]
         slot = self.slots[ref.name]
-        v = self._field(slot, i)
-        if self.trace and slot.grad is not None:
-            return tape.Node(v, sink=lambda g: self._to_param(slot, i, g))
+        v = self._field(slot, i)   # float32 values already (Batch fields: exact ones)
+        sink = (lambda g: self._to_param(slot, i, g)) if self.trace and slot.grad is not None else None
+        return self._leaf(v, sink, (v, v))
+
+    def _leaf(self, v: np.ndarray, sink: Callable | None, iv: tuple | None):
+        """A value read: traced to ``sink`` and bounded by ``iv`` as the frame asks."""
+        if not (sink or self.bounded):
+            return v
+        leaf = tape.Node(v, sink=sink, interval=iv if self.bounded else None)
+        if sink:
+            self.leaves.append(leaf)
+        return leaf
+
+    def unbound_overflow(self) -> None:
+        """After a traced run's backprop: every value read on a lane where a computed value
+        may not fit float32 (:attr:`overflow`) receives an unbounded gradient, for the
+        compiler derives its own adjoints, which may multiply that value by a zero where the
+        tape never reads it."""
+        if np.any(self.overflow):
+            iv = (np.where(self.overflow, -np.inf, 0.0), np.where(self.overflow, np.inf, 0.0))
+            for leaf in self.leaves:
+                leaf.sink(tape.Node(np.zeros(np.shape(iv[0])), interval=iv))
+
+    def note(self, v):
+        """``v``, a computed value, after adding the lanes where its bound is infinite to
+        :attr:`overflow`."""
+        if tape.is_bounded(v):
+            wide = ~np.isfinite(v.interval[0]) | ~np.isfinite(v.interval[1])
+            if np.any(wide):
+                self.overflow = self.overflow | wide
         return v
+
+    def constant(self, c):
+        """A constant of the neuron body (bounded: by its float32 rounding)."""
+        if self.bounded and isinstance(c, float):
+            return tape.Node(c, interval=rounding.exact(c))
+        return c
 
     def write(self, ref: NeuronRef, idx: tuple, value, mask: Mask, merge: Callable) -> None:
         if ref.kind in ("value", "grad"):
@@ -244,8 +289,12 @@ class Frame:
         """``grad_inputs[k][i] op= value`` or ``grad_<param>[i] op= value`` (op + or -)."""
         if op not in "+-":
             raise self.fail(f"{_show(ref)} can only be accumulated into with += or -=", mask)
-        g = tape.raw(value) if op == "+" else -tape.raw(value)
-        g = np.broadcast_to(np.where(mask, g, 0.0) if mask is not True else g, self.lanes)
+        g, (lo, hi) = tape.raw(value), tape.interval(value)
+        if op == "-":
+            g, lo, hi = -g, -hi, -lo
+        if mask is not True:
+            g, lo, hi = (np.where(mask, x, 0.0) for x in (g, lo, hi))
+        g = tape.bounded(np.broadcast_to(g, self.lanes), (lo, hi) if self.bounded else None)
         i = self.flat_index(ref, idx, mask)
         if ref.kind == "grad_input":
             self._scatter(ref.conn, i, g)
@@ -258,6 +307,13 @@ class Frame:
             n = np.arange(self.lanes[1])
             return t.cols[i, n], None if t.valid is None else t.valid[i, n]
         return t.cols[i][None, :], None if t.valid is None else t.valid[i][None, :]
+
+    def _gather(self, src: np.ndarray, cols: np.ndarray, valid, padding) -> np.ndarray:
+        """What the lanes read of ``src`` (flat ``(batch, size)``) at ``cols``; ``padding``
+        where not ``valid``."""
+        v = (src[:, cols[0]] if cols.shape[0] == 1 else
+             np.take_along_axis(src, np.broadcast_to(cols, self.lanes), 1))
+        return v if valid is None else np.where(valid, v, padding)
 
     def _field(self, slot: Slot, i) -> np.ndarray:
         if slot.data.spec.kind is FieldKind.BATCH:
@@ -272,23 +328,41 @@ class Frame:
         if dest is None:
             return
         cols, valid = self._columns(self.tables[k], i)
-        g = np.broadcast_to(g, self.lanes)
         lin = np.broadcast_to(cols, self.lanes) + np.arange(self.lanes[0])[:, None] * dest.shape[1]
-        if valid is not None:
-            keep = np.broadcast_to(valid, self.lanes)
-            lin, g = lin[keep], g[keep]
-        dest += np.bincount(lin.reshape(-1), g.reshape(-1), dest.size).reshape(dest.shape)
+        keep = None if valid is None else np.broadcast_to(valid, self.lanes)
+        _add_into(dest, self.grad_intervals[k], lin, g, self.lanes, keep)
 
     def _to_param(self, slot: Slot, i, g) -> None:
         """Add ``g`` into the parameter gradient; ``g`` has the read's shape (a static
         index reads ``(1, neurons)``: do not count it once per batch item)."""
-        g = np.asarray(g, np.float64)
-        g = np.broadcast_to(g, self.lanes if isinstance(i, np.ndarray) else
-                            (g.shape[0] if g.ndim == 2 else 1, self.lanes[1]))
-        if isinstance(i, np.ndarray):
-            np.add.at(slot.grad, (np.broadcast_to(slot.rows, self.lanes), np.broadcast_to(i, self.lanes)), g)
-        else:
-            slot.grad[:, i] += np.bincount(slot.rows, g.sum(axis=0), slot.grad.shape[0])
+        n = np.ndim(tape.raw(g))
+        shape = self.lanes if isinstance(i, np.ndarray) else (
+            np.shape(tape.raw(g))[0] if n == 2 else 1, self.lanes[1])
+        lin = slot.rows[None, :] * slot.grad.shape[1] + i
+        _add_into(slot.grad, slot.grad_interval, lin, g, shape)
+
+
+def _add_into(dest: np.ndarray, bounds: tuple | None, lin, g, shape: tuple,
+              keep: np.ndarray | None = None) -> None:
+    """Add the terms ``g`` (broadcast to ``shape``) into ``dest`` at the flat positions
+    ``lin`` (where ``keep``); with ``bounds``, ``dest``'s ``(lo, hi, partials)``, widen the
+    interval by the terms' and add the partial sums' magnitudes (the additions' rounding,
+    :func:`rounding.spread` once the gradient is whole)."""
+    lin = np.broadcast_to(lin, shape)
+    terms = [np.broadcast_to(x, shape)
+             for x in (tape.raw(g), *(tape.interval(g) if bounds is not None else ()))]
+    if keep is not None:
+        lin, terms = lin[keep], [x[keep] for x in terms]
+    lin = lin.reshape(-1)
+
+    def added(weights: np.ndarray) -> np.ndarray:
+        return np.bincount(lin, weights.reshape(-1), dest.size).reshape(dest.shape)
+
+    if bounds is not None:
+        ends = rounding.accumulation(bounds[:2], rounding.parts(*terms[1:], added))
+        bounds[2][...] += rounding.partials(lin, terms[0].reshape(-1), dest)
+        bounds[0][...], bounds[1][...] = ends
+    dest += added(terms[0])
 
 
 def is_int(v) -> bool:

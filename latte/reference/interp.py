@@ -10,7 +10,8 @@ Arithmetic follows Python: ``//`` and ``%`` floor, ``/`` is true division, boole
 0 and 1; float math is IEEE (``log(-1)`` is NaN, ``1.0 / 0.0`` infinite) as compiled code has
 it. ``and``/``or`` yield truth values (0/1), not an operand. A frame with a jitter
 perturbs what ``+ - * /`` and ``exp``, ``log``, ``tanh``, ``sqrt`` compute (see
-``Reference.jitter``).
+``Reference.jitter``); on a bounded frame every float carries its float32 rounding bound
+(:mod:`latte.reference.tape` and ``rounding``).
 """
 
 from __future__ import annotations
@@ -111,19 +112,22 @@ class Interpreter:
     # ------------------------------------------------------------ expressions
     def expr(self, e, mask: Mask):
         if isinstance(e, Const):
-            return e.value
+            return self.frame.constant(e.value)
         if isinstance(e, Var):
             return self.var(e.name, mask)
         if isinstance(e, NeuronRef):
             return self.read(e, mask)
         if isinstance(e, BinOp):
+            x = _sigmoid_argument(e)
+            if x is not None:
+                return self.sigmoid(self.expr(x, mask))
             return self.binop(e.op, self.expr(e.lhs, mask), self.expr(e.rhs, mask), mask)
         if isinstance(e, UnaryOp):
             v = self.expr(e.operand, mask)
             if e.op == "not":
                 t = truth(v)
                 return ~t if isinstance(t, np.ndarray) else not t
-            return tape.call("neg", v, -tape.raw(v))
+            return self.frame.note(tape.call("neg", v, -tape.raw(v)))
         if isinstance(e, Compare):
             a, b = tape.raw(self.expr(e.lhs, mask)), tape.raw(self.expr(e.rhs, mask))
             out = _CMP[e.op](a, b)
@@ -141,8 +145,18 @@ class Interpreter:
             with np.errstate(all="ignore"):
                 out = _MATH[e.fn](np.float64(x) if not isinstance(x, np.ndarray) else x)
             out = float(out) if np.ndim(out) == 0 else out
-            return tape.call(e.fn, v, out if e.fn == "abs" else self.frame.rounded(out))
+            return self.frame.note(tape.call(e.fn, v, out if e.fn == "abs" else
+                                             self.frame.rounded(out)))
         raise self.frame.fail(f"unexpected expression {type(e).__name__}", mask)
+
+    def sigmoid(self, v):
+        """``1 / (1 + exp(-v))``, one operation of the tape: compiled code differentiates
+        it as one (:mod:`latte.reference.tape`)."""
+        x = tape.raw(v)
+        with np.errstate(over="ignore"):
+            out = 1.0 / (1.0 + np.exp(-np.float64(x) if not isinstance(x, np.ndarray) else -x))
+        out = float(out) if np.ndim(out) == 0 else out
+        return self.frame.note(tape.call("sigmoid", v, self.frame.rounded(out)))
 
     def var(self, name: str, mask: Mask):
         if name in self.loop_vars:
@@ -185,7 +199,7 @@ class Interpreter:
                            "%": lambda: x % y}[op]()
             if op in ("+", "-", "*", "/"):
                 out = self.frame.rounded(out)
-        return tape.binop(op, a, b, out)
+        return self.frame.note(tape.binop(op, a, b, out))
 
     def boolop(self, e: BoolOp, mask: Mask):
         want = e.op == "and"   # `and` goes on while values are true, `or` while false
@@ -212,6 +226,17 @@ class Interpreter:
         a = self.expr(e.if_true, yes) if np.any(yes) else 0.0
         b = self.expr(e.if_false, no) if np.any(no) else 0.0
         return self.merge(cond, a, b)
+
+
+def _sigmoid_argument(e: BinOp):
+    """``x`` if ``e`` is ``1 / (1 + exp(-x))``, else None."""
+    one = (Const(1), Const(1.0))
+    rhs = e.rhs
+    if (e.op == "/" and e.lhs in one and isinstance(rhs, BinOp) and rhs.op == "+"
+            and rhs.lhs in one and isinstance(rhs.rhs, Call) and rhs.rhs.fn == "exp"
+            and isinstance(rhs.rhs.args[0], UnaryOp) and rhs.rhs.args[0].op == "neg"):
+        return rhs.rhs.args[0].operand
+    return None
 
 
 def _either(a: Mask, b: Mask) -> Mask:

@@ -10,6 +10,7 @@ arrays. A neuron type without a ``backward`` gets the gradient of its ``forward`
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -27,7 +28,7 @@ from latte.lang import (
 from latte.lang.ensemble import BaseEnsemble
 from latte.lang.inplace import give_copies
 from latte.lang.time import check_time, order_for_time, time_loops
-from latte.reference import tape
+from latte.reference import hosts, rounding, tape
 from latte.reference.frame import Frame, Slot, Table, field_rows, gather_table
 from latte.reference.interp import run
 
@@ -40,6 +41,41 @@ def _owner(ens: BaseEnsemble) -> BaseEnsemble:
 
 def _key(ens: Ensemble, field: str) -> str:
     return ens.field_name(field)
+
+
+def _zeros_like(store: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Zero arrays shaped like ``store``'s, shared where ``store``'s are."""
+    made: dict[int, np.ndarray] = {}
+    return {k: made.setdefault(id(v), np.zeros_like(v)) for k, v in store.items()}
+
+
+@dataclass
+class Stores:
+    """One array per value, gradient, parameter gradient and parameter, by name."""
+
+    values: dict[str, np.ndarray]
+    grads: dict[str, np.ndarray]
+    param_grads: dict[str, np.ndarray]
+    params: dict[str, np.ndarray]
+
+
+@dataclass
+class Bounds:
+    """Float32 rounding bounds (:mod:`latte.reference.rounding`) of a reference's arrays,
+    entry by entry: compiled float32 code computes ``values[name]`` within
+    ``[lo.values[name], hi.values[name]]`` (an infinite end: float32 may overflow there),
+    and so on; ``params`` after :meth:`Reference.sgd_step`, from exact float32 ones.
+    ``partials`` (gradients only) sums the magnitudes of the partial sums a gradient still
+    accumulates, whose rounding joins its interval once it is whole (:meth:`whole`)."""
+
+    lo: Stores
+    hi: Stores
+    partials: Stores
+
+    def whole(self, store: str, name: str) -> tuple:
+        """The interval of gradient ``store[name]``, its accumulation's rounding in."""
+        lo, hi, sizes = (getattr(s, store)[name] for s in (self.lo, self.hi, self.partials))
+        return rounding.spread(lo, hi, sizes)
 
 
 class Reference:
@@ -62,9 +98,15 @@ class Reference:
     (two references with one seed and opposite jitters perturb alike, with opposite signs):
     what these perturbations move is what rounding may move. The random tester runs so to
     find the entries that hang on rounding.
+
+    With ``bounds``, ``self.bounds`` (:class:`Bounds`) holds where float32 may land around
+    every value and gradient (every float the interpreter computes carries its rounding
+    bound: :mod:`latte.reference.rounding`); host steps need a rule in
+    :mod:`latte.reference.hosts`. Without, ``self.bounds`` is None.
     """
 
-    def __init__(self, net, params: dict | None = None, fields: dict | None = None):
+    def __init__(self, net, params: dict | None = None, fields: dict | None = None,
+                 bounds: bool = False):
         check_time(net)    # as the compiler does: activations that may not work in place get
         give_copies(net)   # a copy, the time loops' ensembles are consecutive
         order_for_time(net)
@@ -101,6 +143,9 @@ class Reference:
         self._override(self.fields, fields or {}, "fields")
         self.param_grads = {k: np.zeros_like(v) for k, v in self.params.items()}
         self.history = {k: np.zeros_like(v) for k, v in self.params.items()}
+        self.bounds = Bounds(*(Stores(_zeros_like(self.values), _zeros_like(self.grads),
+                                      _zeros_like(self.param_grads), _zeros_like(self.params))
+                               for _ in range(3))) if bounds else None
         self._tables: dict[str, list[Table]] = {}
         self._rows: dict[str, np.ndarray] = {}
         self._bodies: dict[tuple[str, str], object] = {}
@@ -143,26 +188,80 @@ class Reference:
                 raise ShapeError(f"Reference.forward: input {ens.name!r} has shape {x.shape}, "
                                  f"expected {self.values[ens.name].shape}")
             self.values[ens.name][...] = x.reshape(self.values[ens.name].shape)
+            if self.bounds is not None:   # float32 data: exact
+                for end in self._ends("values"):
+                    end[ens.name][...] = self.values[ens.name]
         for ens, t in self._order(reverse=False):
             if isinstance(ens, NormalizationEnsemble):
-                self._norms[ens.name].forward([self._items(self.values, i) for i in ens.inputs],
-                                              self._items(self.values, ens), self.rows)
+                self._host_forward(ens)
             elif isinstance(ens, Ensemble):
                 self._forward(ens, t)
         self.loss = float(sum(n.loss for n in self._norms.values() if n.is_loss))
 
     def backward(self) -> None:
         """Zero every gradient, then back-propagate from the losses in reverse net order."""
-        for g in (*self.grads.values(), *self.param_grads.values()):
+        stores = (self.grads, self.param_grads)
+        if self.bounds is not None:
+            stores += (*self._ends("grads", 3), *self._ends("param_grads", 3))
+        for g in (g for store in stores for g in store.values()):
             g[...] = 0.0
         for ens, t in self._order(reverse=True):
             if isinstance(ens, NormalizationEnsemble):
-                self._norms[ens.name].backward([self._items(self.values, i) for i in ens.inputs],
-                                               [self._items(self.grads, i) for i in ens.inputs],
-                                               self._items(self.values, ens),
-                                               self._items(self.grads, ens), self.rows)
+                self._host_backward(ens)
             elif isinstance(ens, Ensemble):
                 self._backward(ens, t)
+        if self.bounds is not None:   # every gradient is whole: its rounding joins its bound
+            for store in ("grads", "param_grads"):
+                for name, lo in getattr(self.bounds.lo, store).items():
+                    hi = getattr(self.bounds.hi, store)[name]
+                    lo[...], hi[...] = self.bounds.whole(store, name)
+                    getattr(self.bounds.partials, store)[name][...] = 0.0
+
+    def _host_forward(self, ens: NormalizationEnsemble) -> None:
+        """Run a host step's forward (and, bounded, its rule for the value's bound)."""
+        inputs = [self._items(self.values, i) for i in ens.inputs]
+        value = self._items(self.values, ens)
+        self._norms[ens.name].forward(inputs, value, self.rows)
+        if self.bounds is not None:
+            r = hosts.forward_radius(self._norms[ens.name], inputs,
+                                     self._radii(ens.inputs), value, self.rows)
+            for end, e in zip(self._ends("values"), rounding.around(value, r)):
+                self._items(end, ens)[...] = e
+
+    def _host_backward(self, ens: NormalizationEnsemble) -> None:
+        """Run a host step's backward (and, bounded, its rule for what it adds into its
+        inputs' gradients, plus the rounding of adding it)."""
+        inputs = [self._items(self.values, i) for i in ens.inputs]
+        grads = [self._items(self.grads, i) for i in ens.inputs]
+        before = [g.copy() for g in grads] if self.bounds is not None else []
+        grad = self._items(self.grads, ens)
+        self._norms[ens.name].backward(inputs, grads, self._items(self.values, ens), grad,
+                                       self.rows)
+        if self.bounds is None:
+            return
+        radii = hosts.backward_radii(self._norms[ens.name], inputs, self._radii(ens.inputs),
+                                     grad, self._radii([ens], "grads")[0], self.rows)
+        for i, g, old, r in zip(ens.inputs, grads, before, radii):
+            if r is not None:
+                lo, hi, sizes = (self._items(end, i) for end in self._ends("grads", 3))
+                added = rounding.parts(*rounding.around(g - old, r), lambda x: x)
+                lo[...], hi[...] = rounding.accumulation((lo, hi), added)
+                sizes += np.where(g != old, np.abs(g), 0.0)
+
+    def _ends(self, store: str, n: int = 2) -> tuple[dict, ...]:
+        """The lower and upper bounds of ``store`` (``"values"``, ``"grads"``, ...), and
+        with ``n`` 3 the magnitudes of a gradient's partial sums."""
+        return tuple(getattr(s, store) for s in (self.bounds.lo, self.bounds.hi,
+                                                 self.bounds.partials)[:n])
+
+    def _radii(self, ensembles: list, store: str = "values") -> list[np.ndarray]:
+        """How far each ensemble's ``store`` may be off either way, ``(items, *shape)``."""
+        out = []
+        for e in ensembles:
+            ends = tuple(self._items(end, e) for end in self._ends(store, 2 if store == "values" else 3))
+            iv = ends if store == "values" else rounding.spread(*ends)
+            out.append(rounding.radius(self._items(getattr(self, store), e), iv))
+        return out
 
     def _order(self, reverse: bool):
         """``(ensemble, step)`` in run order: an ensemble outside time loops once over all
@@ -186,8 +285,21 @@ class Reference:
                 k = _key(ens, f.name)
                 step = lr * f.spec.lr_mult * (self.param_grads[k]
                                               + regu_coef * f.spec.decay_mult * self.params[k])
+                if self.bounds is not None:
+                    self._bound_update(k, lr * f.spec.lr_mult, momentum * self.history[k], step)
                 self.history[k] = momentum * self.history[k] + step
                 self.params[k] -= self.history[k]
+
+    def _bound_update(self, k: str, rate: float, kept: np.ndarray, step: np.ndarray) -> None:
+        """The interval of parameter ``k`` after ``param - (kept + step)`` (an SGD update in
+        float32, from exact parameters and history): the gradient's, times ``rate``, and
+        three roundings, of the step, the history and the update."""
+        with np.errstate(invalid="ignore"):   # lr 0 (an infinite gradient) times inf: NaN
+            lo, hi = (rate * (end[k] - self.param_grads[k]) for end in self._ends("param_grads"))
+        new = self.params[k] - kept - step
+        m = 3 * rounding.U * (np.abs(kept) + 2 * np.abs(step) + np.abs(self.params[k]))
+        ends = rounding.outward(new - hi, new - lo, m, m)
+        self.bounds.lo.params[k], self.bounds.hi.params[k] = ends
 
     # ------------------------------------------------------------ one ensemble
     def _flat(self, arrays: dict, ens: BaseEnsemble, t: int | None = None,
@@ -232,7 +344,10 @@ class Reference:
             n_rows = int(np.prod(f.array.shape[:f.lead_ndim]))
             if f.spec.kind is FieldKind.PARAM:
                 out[name] = Slot(f, self.params[k].reshape(n_rows, -1), rows,
-                                 self.param_grads[k].reshape(n_rows, -1))
+                                 self.param_grads[k].reshape(n_rows, -1),
+                                 None if self.bounds is None else
+                                 tuple(end[k].reshape(n_rows, -1)
+                                       for end in self._ends("param_grads", 3)))
             elif f.spec.kind is FieldKind.BATCH:
                 batch = self.fields[k].reshape(self.rows, n_rows, -1)
                 if t is not None:
@@ -256,45 +371,86 @@ class Reference:
         """A data ensemble nobody asked the gradient of: the compiled net leaves it zero."""
         return isinstance(ens, DataEnsemble) and not getattr(ens, "needs_grad", False)
 
+    def _intervals(self, store: str, tables: list[Table], t: int | None) -> list | None:
+        """The bounds of the connections' sources' ``store`` (None: not bounded): ``(lo,
+        hi)`` for values, ``(lo, hi, partials)`` for gradients, which the frame adds to."""
+        if self.bounds is None:
+            return None
+        n = 2 if store == "values" else 3
+        return list(zip(*(self._inputs(end, tables, t) for end in self._ends(store, n))))
+
+    def _bounded(self, store: str, ens: Ensemble, t: int | None, array: np.ndarray):
+        """``array`` (``ens``'s ``store`` at ``t``, or a copy), bounded as the reference
+        holds it (a gradient whole); plain when not bounded."""
+        if self.bounds is None:
+            return array
+        grads = store == "grads"
+        ends = tuple(self._flat(end, ens, t) for end in self._ends(store, 3 if grads else 2))
+        iv = rounding.spread(*ends) if grads else ends
+        return tape.Node(array, interval=tuple(np.array(e) for e in iv))
+
+    def _store(self, store: str, ens: Ensemble, t: int | None, computed) -> None:
+        """Write what a frame computed into ``ens``'s ``store`` at ``t`` (and its bound,
+        a gradient's whole: its partials start over)."""
+        out = self._flat(getattr(self, store), ens, t)
+        out[...] = np.broadcast_to(tape.raw(computed), out.shape)
+        if self.bounds is not None:
+            grads = store == "grads"
+            for end, e in zip(self._ends(store, 3 if grads else 2),
+                              (*tape.interval(computed), 0.0)):
+                self._flat(end, ens, t)[...] = np.broadcast_to(e, out.shape)
+
     def _forward(self, ens: Ensemble, t: int | None) -> None:
         tables = self._setup(ens)
-        sources = self._inputs(self.values, tables, t)
+        sources, bounds = self._inputs(self.values, tables, t), self._intervals("values", tables, t)
         value = self._flat(self.values, ens, t)
-        start = value.copy() if isinstance(ens, ActivationEnsemble) else 0.0
+        start = (self._bounded("values", ens, t, value.copy())
+                 if isinstance(ens, ActivationEnsemble) else 0.0)
         if not defines_backward(ens.neuron_type):
-            self._saved[ens.name, t] = ([s.copy() for s in sources], start)
+            self._saved[ens.name, t] = ([s.copy() for s in sources],
+                                        bounds and [(lo.copy(), hi.copy()) for lo, hi in bounds],
+                                        start)
         frame = Frame(ens, tables, sources, [None] * len(tables), self._slots(ens, t), start,
                       self._flat(self.grads, ens, t), len(value),
-                      jitter=self._jitter(ens, False, t))
+                      jitter=self._jitter(ens, False, t), intervals=bounds)
         run(self._body(ens, "forward", tables), frame)
-        value[...] = np.broadcast_to(tape.raw(frame.value), value.shape)
+        self._store("values", ens, t, frame.value)
 
     def _backward(self, ens: Ensemble, t: int | None) -> None:
         tables = self._setup(ens)
-        grads = [None if self._dead(tb.conn.source) else g
-                 for tb, g in zip(tables, self._inputs(self.grads, tables, t))]
+        dead = [self._dead(tb.conn.source) for tb in tables]
+        grads = [None if d else g for d, g in zip(dead, self._inputs(self.grads, tables, t))]
+        grad_bounds = self._intervals("grads", tables, t)
+        grad_bounds = grad_bounds and [None if d else b for d, b in zip(dead, grad_bounds)]
         grad = self._flat(self.grads, ens, t)
+        seed = self._bounded("grads", ens, t, grad.copy())
         slots = self._slots(ens, t)
         if defines_backward(ens.neuron_type):
-            sources = self._inputs(self.values, tables, t)
-            value = self._flat(self.values, ens, t)
-            frame = Frame(ens, tables, sources, grads, slots, value, grad.copy(), len(grad),
-                          jitter=self._jitter(ens, True, t))
+            value = self._bounded("values", ens, t, self._flat(self.values, ens, t))
+            frame = Frame(ens, tables, self._inputs(self.values, tables, t), grads, slots, value,
+                          seed, len(grad), jitter=self._jitter(ens, True, t),
+                          intervals=self._intervals("values", tables, t),
+                          grad_intervals=grad_bounds)
             run(self._body(ens, "backward", tables), frame)
-            value[...] = np.broadcast_to(tape.raw(frame.value), value.shape)
-            grad[...] = np.broadcast_to(tape.raw(frame.grad), grad.shape)
+            self._store("values", ens, t, frame.value)
+            self._store("grads", ens, t, frame.grad)
             return
-        sources, start = self._saved[ens.name, t]
-        d_start = np.zeros_like(grad)
-        if isinstance(start, np.ndarray):   # an activation: its input is its value
+        sources, bounds, start = self._saved[ens.name, t]
+        received = [0.0]   # the gradient an activation's input receives (it becomes grad)
+        if not isinstance(start, float):   # an activation: its input is its value
 
             def sink(g):
-                d_start[...] += g
+                ends = zip(tape.interval(received[0]), tape.interval(g))
+                received[0] = tape.bounded(tape.raw(received[0]) + tape.raw(g),
+                                           tuple(a + b for a, b in ends)
+                                           if self.bounds is not None else None)
 
-            start = tape.Node(start, sink=sink)
+            start = tape.Node(tape.raw(start), sink=sink, interval=getattr(start, "interval", None))
         frame = Frame(ens, tables, sources, grads, slots, start, grad, len(grad), trace=True,
-                      jitter=self._jitter(ens, True, t))
+                      jitter=self._jitter(ens, True, t), intervals=bounds,
+                      grad_intervals=grad_bounds)
         run(self._body(ens, "forward", tables), frame)
-        tape.backprop([(frame.value, grad.copy())])
+        tape.backprop([(frame.value, seed)])
+        frame.unbound_overflow()
         if isinstance(ens, ActivationEnsemble):
-            grad[...] = d_start
+            self._store("grads", ens, t, received[0])
