@@ -9,9 +9,12 @@ still copy into its callers). Float arithmetic carries ``reassoc contract`` so t
 reductions vectorize.
 
 With ``LATTE_CHECK_BOUNDS=1`` every load, store and GEMM operand block is checked against
-its buffer at run time: an access outside it is skipped (a load gives 0) and records the
-access site (kernel and buffer) in ``BOUNDS_SITE`` and its offset in ``BOUNDS_OFFSET``,
-which the executor reads after each segment. The checks change the IR, hence the cache key.
+its buffer: at compile time where its offset is affine and lies inside the buffer for every
+value the enclosing loops give their variables (their constant bounds alone, guards
+ignored: a proof that needs nothing else), else at run time, where an access outside it is
+skipped (a load gives 0) and records the access site (kernel and buffer) in
+``BOUNDS_SITE`` and its offset in ``BOUNDS_OFFSET``, which the executor reads after each
+segment. The checks change the IR, hence the cache key.
 """
 
 from __future__ import annotations
@@ -184,6 +187,7 @@ class _KernelEmitter:
         self.entry = fn.append_basic_block("entry")
         self.b = ir.IRBuilder(self.entry)
         self.loop_vars: dict[str, ir.Value] = {TID: ir.Constant(I64, 0)}
+        self.ranges: dict[str, tuple[int, int]] = {TID: (0, 0)}   # loop var -> (first, last)
         self.locals: dict[str, ir.Value] = {}
 
     def emit(self):
@@ -221,8 +225,10 @@ class _KernelEmitter:
         if s.kind is LoopKind.PARALLEL and self.mb.threads > 1:
             self.parallel(s)
             return
+        self.ranges[s.var] = (s.start, s.stop - 1)
         self.counted(s.var, ir.Constant(I64, s.start), ir.Constant(I64, s.stop),
                      lambda iv: self.block(s.body))
+        del self.ranges[s.var]
 
     def counted(self, name: str, lo: ir.Value, hi: ir.Value, body) -> None:
         """``for name in range(lo, hi): body(iv)`` with ``name`` bound to ``iv`` inside."""
@@ -264,6 +270,8 @@ class _KernelEmitter:
         inner = _KernelEmitter(mb, body_fn, dict(zip(bufs, body_fn.args)), self.kernel)
         ints = body_fn.args[len(bufs):]
         inner.loop_vars = dict(zip(outer + [TID], list(ints[:len(outer)]) + [ints[-1]]))
+        inner.ranges = {**{v: self.ranges[v] for v in outer}, TID: (0, mb.threads - 1),
+                        **{lp.var: (lp.start, lp.start + lp.extent - 1) for lp in loops}}
 
         def one(flat):
             for lp in reversed(loops):
@@ -313,7 +321,7 @@ class _KernelEmitter:
         """``access(pointer)`` for ``ref``; in bounds-check mode only if the offset lies in the
         buffer (else the site is recorded and a load gives 0)."""
         idx = self.flat_index(ref)
-        if not self.mb.check_bounds:
+        if not self.mb.check_bounds or self.proven(ref.offset(), ref.buffer):
             return access(self.pointer(ref, idx))
         b = self.b
         ok = b.icmp_unsigned("<", idx, ir.Constant(I64, ref.buffer.size))
@@ -330,6 +338,18 @@ class _KernelEmitter:
         phi.add_incoming(value, then_block)
         phi.add_incoming(ir.Constant(value.type, 0), else_block)
         return phi
+
+    def proven(self, offset: Affine | None, buf: Buffer, span: int = 0) -> bool:
+        """Whether every element from ``offset`` to ``offset + span`` lies inside ``buf``
+        for every value of the enclosing loops' variables (a loop that runs no iteration
+        proves nothing)."""
+        if offset is None:
+            return False
+        ranges = [self.ranges.get(v) for v in offset.vars]
+        if any(r is None or r[0] > r[1] for r in ranges):
+            return False
+        lo, hi = offset.bounds(self.ranges)
+        return 0 <= lo and hi + span < buf.size
 
     def record(self, buf: Buffer, offset: ir.Value) -> None:
         """Remember an out-of-bounds access of ``buf`` at ``offset`` for the executor."""
@@ -353,6 +373,8 @@ class _KernelEmitter:
             return
         b, ok = self.b, ir.Constant(I1, 1)
         for acc in accesses(g):   # each operand block: first and last element inside
+            if self.proven(acc.offset, acc.buffer, acc.span):
+                continue
             first = self.affine(acc.offset)
             last = b.add(first, ir.Constant(I64, acc.span))
             inside = b.and_(b.icmp_unsigned("<", first, ir.Constant(I64, acc.buffer.size)),
