@@ -19,6 +19,7 @@ segment. The checks change the IR, hence the cache key.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 from llvmlite import ir
@@ -154,21 +155,36 @@ def shape(kernel: Kernel, bufs: list[Buffer], check_bounds: bool) -> str:
 def split(segments: list, parts: int) -> list[list]:
     """``segments`` in at most ``parts`` groups of about equal LLVM work, each group's in
     their order, for one module each: a kernel shape costs the length of its IR once per
-    group that runs it, and each segment (largest first) joins the group it adds least
-    to. With bounds checks every module would define the checks' globals: one group."""
+    group that runs it. Each segment (largest first) joins the group it adds least to;
+    then a segment moves to another group while that lowers the largest group's work (a
+    test forward that shares its kernels with the training forward joins it once the
+    backward has taken the other group). With bounds checks every module would define the
+    checks' globals: one group."""
     if parts <= 1 or check_bounds():
         return [list(segments)]
     shapes = [{shape(k, kernel_buffers(k), False) for k in seg.kernels} for seg in segments]
-    members: list[list[int]] = [[] for _ in range(parts)]
-    held: list[set[str]] = [set() for _ in range(parts)]
-    loads = [0] * parts
+    group = [-1] * len(segments)   # -1: not placed yet
+
+    def cost(where: list[int]) -> tuple[int, int]:
+        """The largest group's work, then all groups' together."""
+        held: list[set[str]] = [set() for _ in range(parts)]
+        for i, g in enumerate(where):
+            if g >= 0:
+                held[g] |= shapes[i]
+        load = [sum(map(len, h)) for h in held]
+        return max(load), sum(load)
+
     for i in sorted(range(len(segments)), key=lambda i: -sum(map(len, shapes[i]))):
-        added = [sum(len(k) for k in shapes[i] - held[g]) for g in range(parts)]
-        g = min(range(parts), key=lambda g: loads[g] + added[g])
-        members[g].append(i)
-        held[g] |= shapes[i]
-        loads[g] += added[g]
-    return [[segments[i] for i in sorted(m)] for m in members if m]
+        group[i] = min(range(parts), key=lambda g: cost(group[:i] + [g] + group[i + 1:]))
+    improved = True
+    while improved:
+        improved = False
+        for i, g in itertools.product(range(len(segments)), range(parts)):
+            moved = group[:i] + [g] + group[i + 1:]
+            if cost(moved) < cost(group):
+                group, improved = moved, True
+    return [[seg for seg, g in zip(segments, group) if g == k] for k in range(parts)
+            if k in group]
 
 
 def check_bounds() -> bool:
