@@ -130,13 +130,17 @@ class Ref(Node):
     view: tuple[int, ...]
 
     def offset(self) -> Affine | None:
-        """The flat element offset, if every index entry is affine."""
-        off = Affine()
-        for idx, extent in zip(self.index, self.view):
-            if not isinstance(idx, Affine):
-                return None
-            off = off * extent + idx
-        return off
+        """The flat element offset, if every index entry is affine (remembered: the ref
+        never changes)."""
+        if "_offset" not in self.__dict__:
+            off = Affine()
+            for idx, extent in zip(self.index, self.view):
+                if not isinstance(idx, Affine):
+                    off = None
+                    break
+                off = off * extent + idx
+            object.__setattr__(self, "_offset", off)
+        return self.__dict__["_offset"]
 
 
 @dataclass(frozen=True)
