@@ -28,6 +28,7 @@ from latte.compiler.ir import (
     walk,
 )
 from latte.compiler.passes import distribute_loops, match_gemm
+from latte.compiler.passes.fuse import merge_pointwise
 from latte.compiler.passes.localize import _gemm_row
 from latte.compiler.passes.time_hoist import hoist_param_grads
 from latte.stdlib import MemoryDataLayer
@@ -397,3 +398,33 @@ def test_time_hoist_keeps_what_it_cannot_prove(op, value_of):
 
 def _base(views: dict, name: str) -> Buffer:
     return next(base for base, _ in views.values() if base.name == name)
+
+
+
+def _over_cx(stmt) -> Loop:
+    return _nest(["c", "x"], {"c": 4, "x": 8}, stmt).body.stmts[0]
+
+
+_X, _Y, _Z, _S = _buf("x", 4, 8), _buf("y", 4, 8), _buf("z", 4, 8), _buf("s", 4)
+_DOUBLE = _over_cx(Assign(_ref(_Y, "c", "x"), BinOp("*", Const(2.0), Load(_ref(_X, "c", "x")))))
+
+
+@pytest.mark.parametrize("first,second,merges", [
+    # y = 2 x, then z = y + x at the same element: one nest
+    (_DOUBLE, _over_cx(Assign(_ref(_Z, "c", "x"),
+                              BinOp("+", Load(_ref(_Y, "c", "x")), Load(_ref(_X, "c", "x"))))), True),
+    # y = 2 x, then y = y * y in place: one nest
+    (_DOUBLE, _over_cx(Assign(_ref(_Y, "c", "x"),
+                              BinOp("*", Load(_ref(_Y, "c", "x")), Load(_ref(_Y, "c", "x"))))), True),
+    # a row sum s[c] += x, then x = x * s[c]: iterations share s[c], refused
+    (_over_cx(AugAssign(_ref(_S, "c"), "+", Load(_ref(_X, "c", "x")))),
+     _over_cx(Assign(_ref(_X, "c", "x"), BinOp("*", Load(_ref(_X, "c", "x")), Load(_ref(_S, "c"))))),
+     False),
+    # y = 2 x, then x = y's row reversed: refused
+    (_DOUBLE, _over_cx(Assign(_ref(_X, "c", "x"), Load(_ref(_Y, "c", Affine.build({"x": -1}, 7))))),
+     False),
+], ids=["add", "in-place", "reduction", "reversed"])
+def test_pointwise_nests_merge_only_where_each_iteration_owns_its_elements(first, second, merges):
+    merged = merge_pointwise((first, second))
+    assert len(merged) == (1 if merges else 2)
+    _same_result(Kernel("test", Block((first, second))), Kernel("test", Block(merged)))
