@@ -83,11 +83,10 @@ ROUNDING = {
 }
 
 
-# cases whose float32 results legitimately differ from float64, or between levels by
-# rounding alone that the harness cannot tell (seed -> why); xfails that may pass: whether
-# they differ depends on the code LLVM makes for the host (4794 passes since bounds checks
-# proven at compile time changed the IR LLVM sums it from; a tie among three entries, which
-# the two nudged references break two ways, is what the harness cannot tell)
+# cases whose optimized levels may legitimately differ from level 0 by rounding the harness
+# cannot tell, depending on the code LLVM makes for the host (a tie among three entries,
+# which the two nudged references break two ways): they run at level 0 alone, against the
+# reference interpreter, and must pass (seed -> why)
 PRECISION = {
     4794: "a max pool over a neuron whose values tie exactly (every neuron of a channel "
           "computes the same 6-term dot product); the `reassoc` flag lets LLVM's O3 sum it "
@@ -115,9 +114,8 @@ def _seeds(config) -> list[int]:
 
 def pytest_generate_tests(metafunc):
     if "case" in metafunc.fixturenames:
-        seeds = [pytest.param(s, marks=pytest.mark.xfail(strict=s in OPEN,
-                                                          reason=(PRECISION | OPEN)[s]))
-                 if s in PRECISION or s in OPEN else s for s in _seeds(metafunc.config)]
+        seeds = [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=OPEN[s]))
+                 if s in OPEN else s for s in _seeds(metafunc.config)]
         metafunc.parametrize("case", seeds, ids=[f"case{s}" for s in _seeds(metafunc.config)])
 
 
@@ -128,10 +126,15 @@ def checked(request):
     pool = ProcessPoolExecutor(os.cpu_count() or 1, mp_context=multiprocessing.get_context("spawn"))
     selected = [item.callspec.params["case"] for item in request.session.items
                 if "case" in getattr(getattr(item, "callspec", None), "params", {})]
-    futures = {s: pool.submit(check_cases, [s], level=FIXED.get(s, (None,))[0], loss=_loss,
-                              derived=DERIVED) for s in selected}
+    futures = {s: pool.submit(check_cases, [s], level=_level(s), loss=_loss, derived=DERIVED)
+               for s in selected}
     yield lambda seed: futures[seed].result()
     pool.shutdown(cancel_futures=True)
+
+
+def _level(seed: int) -> int | None:
+    """The optimized level case ``seed`` runs at (None: the one its configuration draws)."""
+    return 0 if seed in PRECISION else FIXED.get(seed, (None,))[0]
 
 
 def _loss(net, name, ens):

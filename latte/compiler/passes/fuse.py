@@ -44,10 +44,9 @@ def merge_pointwise(stmts: tuple) -> tuple:
     into one nest (see the module's docstring)."""
     out: list = []
     for s in stmts:
-        prev = out[-1] if out else None
-        if prev is not None and _perfect(prev) is not None and _perfect(prev) == _perfect(s) \
-                and _pointwise(prev, s):
-            out[-1] = _join(prev, s)
+        loops = _perfect(s)
+        if out and loops is not None and _perfect(out[-1]) == loops and _pointwise(out[-1], s):
+            out[-1] = _join(out[-1], s)
         else:
             out.append(s)
     return tuple(out)

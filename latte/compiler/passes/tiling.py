@@ -50,8 +50,8 @@ def heights(extent: int, wide) -> list[int]:
     ``wide(height)`` holds, even ones first (Winograd's 2x2 output tiles then never straddle
     two row tiles), each from the smallest up; none wide, the whole extent alone (a GEMM
     over a narrower tile runs below speed, and its weights are streamed once per tile)."""
-    wide = [t for t in range(1, extent + 1) if extent % t == 0 and wide(t)]
-    return sorted(wide, key=lambda t: t % 2) or [extent]
+    fits = [t for t in range(1, extent + 1) if extent % t == 0 and wide(t)]
+    return sorted(fits, key=lambda t: t % 2) or [extent]
 
 
 def tile_loops(kernel: Kernel, budget: int, forced: tuple[int, int] | None = None) -> Kernel:
