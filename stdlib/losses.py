@@ -118,20 +118,22 @@ class _TargetLoss(NormalizationEnsemble):
                               and not getattr(target, "needs_grad", False))
         self.scale = 1.0   # 1 / number of items the loss averages over (all ranks)
 
-    def _pair(self, inputs, valid: int) -> tuple[np.ndarray, np.ndarray]:
+    def _pair(self, inputs, valid: int, check: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Inputs and targets as float64 rows; bounded targets clipped to the bounds, which
+        they may pass by float32's rounding (``check``: by no more, else an error)."""
         x, t = (a.reshape(a.shape[0], -1)[:valid].astype(np.float64) for a in inputs)
-        return x, t
-
-    def forward(self, inputs, value, valid):
-        x, t = self._pair(inputs, valid)
-        if self.bounds is not None:   # checked once per batch: backward sees the same targets
-            lo, hi = self.bounds   # up to float32's rounding (a computed 1 - 1e-9 may round up)
+        if self.bounds is not None:
+            lo, hi = self.bounds
             bad = (t < lo - ROUNDING * max(1.0, abs(lo))) | (t > hi + ROUNDING * max(1.0, abs(hi)))
-            if bad.any():
+            if check and bad.any():
                 i, j = np.unravel_index(int(np.argmax(bad)), bad.shape)
                 raise ShapeError(f"loss {self.name!r}: target {t[i, j]:.9g} of batch item {i} "
                                  f"is not in [{lo:g}, {hi:g}]")
             t = np.clip(t, lo, hi)
+        return x, t
+
+    def forward(self, inputs, value, valid):
+        x, t = self._pair(inputs, valid, check=True)
         per_item = self.elementwise(x, t).sum(axis=1)
         value[...] = 0.0
         value[:valid, 0] = per_item

@@ -109,7 +109,7 @@ def _neg(a: Expr) -> Expr:
     return a.operand if isinstance(a, UnaryOp) and a.op == "neg" else UnaryOp("neg", a)
 
 
-def _is_sigmoid(e: Expr) -> Expr | None:
+def is_sigmoid(e: Expr) -> Expr | None:
     """``x`` if ``e`` is ``1 / (1 + exp(-x))``."""
     if (isinstance(e, BinOp) and e.op == "/" and e.lhs in (Const(1), Const(1.0))
             and isinstance(e.rhs, BinOp) and e.rhs.op == "+" and e.rhs.lhs in (Const(1), Const(1.0))
@@ -161,7 +161,7 @@ class _Rev:
             tmp = self.names("_s")
             self.out.append(Assign(Var(tmp), s))
             s = Var(tmp)
-        x = _is_sigmoid(e)
+        x = is_sigmoid(e)
         if x is not None:
             self.contrib(x, _mul(s, BinOp("*", me, BinOp("-", Const(1.0), me))))
         elif isinstance(e, BinOp):

@@ -72,6 +72,7 @@ from latte.compiler.ir import (
     walk,
 )
 from latte.compiler.passes.tiling import ensemble_chain, is_batch_loop
+from latte.compiler.passes.zero_init import whole, zeroed_region
 from latte.compiler.synthesis import neuron_info, neuron_ir
 from latte.lang import ActivationEnsemble, DataEnsemble, NormalizationEnsemble, readers
 
@@ -293,14 +294,9 @@ def _moved_kernel(kernel: Kernel, moves: dict) -> Kernel | None:
 
 
 def _flat_zeroing(s) -> Buffer | None:
-    """The buffer ``s`` zeroes, if it is synthesis's flat loop over all of one."""
-    if not (isinstance(s, Loop) and s.start == 0 and len(s.body.stmts) == 1):
-        return None
-    a = s.body.stmts[0]
-    if (isinstance(a, Assign) and a.value == Const(0.0) and isinstance(a.target, Ref)
-            and a.target.index == (Affine.of(s.var),) and s.stop == a.target.buffer.size):
-        return a.target.buffer
-    return None
+    """The buffer ``s`` zeroes, if it clears all of one."""
+    found = zeroed_region(s)
+    return found[0] if found is not None and found[1] == whole(found[0]) else None
 
 
 def _zero_items(buf: Buffer, ens, within: Buffer, offset: int) -> Loop:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from latte.compiler.autodiff import is_sigmoid
 from latte.compiler.frontend import NeuronRef
 from latte.compiler.ir import (
     Assign,
@@ -118,7 +119,7 @@ class Interpreter:
         if isinstance(e, NeuronRef):
             return self.read(e, mask)
         if isinstance(e, BinOp):
-            x = _sigmoid_argument(e)
+            x = is_sigmoid(e)   # as the compiler's derivation sees it
             if x is not None:
                 return self.sigmoid(self.expr(x, mask))
             return self.binop(e.op, self.expr(e.lhs, mask), self.expr(e.rhs, mask), mask)
@@ -226,17 +227,6 @@ class Interpreter:
         a = self.expr(e.if_true, yes) if np.any(yes) else 0.0
         b = self.expr(e.if_false, no) if np.any(no) else 0.0
         return self.merge(cond, a, b)
-
-
-def _sigmoid_argument(e: BinOp):
-    """``x`` if ``e`` is ``1 / (1 + exp(-x))``, else None."""
-    one = (Const(1), Const(1.0))
-    rhs = e.rhs
-    if (e.op == "/" and e.lhs in one and isinstance(rhs, BinOp) and rhs.op == "+"
-            and rhs.lhs in one and isinstance(rhs.rhs, Call) and rhs.rhs.fn == "exp"
-            and isinstance(rhs.rhs.args[0], UnaryOp) and rhs.rhs.args[0].op == "neg"):
-        return rhs.rhs.args[0].operand
-    return None
 
 
 def _either(a: Mask, b: Mask) -> Mask:

@@ -74,7 +74,7 @@ def _rounded(lo, hi, ulp) -> tuple:
     return outward(lo, hi, ulp * np.abs(lo), ulp * np.abs(hi))
 
 
-def parts(lo, hi, total=np.add) -> tuple:
+def parts(lo, hi, total) -> tuple:
     """What :func:`summed` needs of terms in ``[lo, hi]``, summed by ``total``: the
     endpoints' sums, their magnitudes, the negative parts of the low ends and the positive
     parts of the high ends."""

@@ -80,7 +80,7 @@ def _copy(s: Loop, bufs, key: tuple):
             abs(c.coef(v)) != 1 for c in index for v in c.vars & sink)
 
     def tile_buffer(expr, tag: str):
-        used = _vars(expr)
+        used = variables(expr)
         order = ([lp for lp in inner if lp.var in used and lp.var in window]
                  + [lp for lp in inner if lp.var in used and lp.var not in window])
         shape = tuple(lp.extent for lp in order)
@@ -145,7 +145,7 @@ def _split_guard(order: list[Loop], guard, make, loops: list[Loop]):
     *mine, inner = order
     ranges = {lp.var: (lp.start, lp.stop - 1) for lp in loops}
     terms = list(guard.values) if isinstance(guard, BoolOp) and guard.op == "and" else [guard]
-    hoisted = [t for t in terms if inner.var not in _vars(t)]
+    hoisted = [t for t in terms if inner.var not in variables(t)]
     own = [t for t in terms if t not in hoisted]
     lo, hi, rest = inner.start, inner.stop, []
     for t in own:
@@ -154,24 +154,25 @@ def _split_guard(order: list[Loop], guard, make, loops: list[Loop]):
             rest.append(t)
         else:
             lo, hi = max(lo, bound[0]), min(hi, bound[1])
-    pieces = ([(inner.start, lo, _conj(own)), (lo, hi, _conj(rest)), (hi, inner.stop, _conj(own))]
-              if lo < hi else [(inner.start, inner.stop, _conj(own))])
+    pieces = ([(inner.start, lo, conj(own)), (lo, hi, conj(rest)), (hi, inner.stop, conj(own))]
+              if lo < hi else [(inner.start, inner.stop, conj(own))])
     body = tuple(replace(inner, start=a, stop=b, body=Block((make(c),)))
                  for a, b, c in pieces if a < b)
     stmt = body[0] if len(body) == 1 else Block(body)
     if hoisted:
         off = make(False)
-        stmt = If(_conj(hoisted), Block((stmt,)),
+        stmt = If(conj(hoisted), Block((stmt,)),
                   Block((replace(inner, body=Block((off,))),) if off is not None else ()))
     return nest(mine, stmt) if mine else stmt
 
 
-def _vars(e) -> set[str]:
+def variables(e) -> set[str]:
+    """The loop variables and locals ``e`` reads."""
     return {v for n in walk(e) if isinstance(n, Affine) for v in n.vars} | {
         n.name for n in walk(e) if isinstance(n, Var)}
 
 
-def _conj(terms: list):
+def conj(terms: list):
     """The conjunction of ``terms`` (``True`` for none)."""
     return True if not terms else terms[0] if len(terms) == 1 else BoolOp("and", tuple(terms))
 

@@ -61,7 +61,7 @@ from latte.compiler.ir import (
     substitute,
     walk,
 )
-from latte.compiler.passes.data_copy import gather
+from latte.compiler.passes.data_copy import conj, gather, nest, variables
 from latte.compiler.passes.tiling import ensemble_chain, is_batch_loop
 
 BT = ((1, 0, -1, 0), (0, 1, 1, 0), (0, -1, 1, 0), (0, 1, 0, -1))       # input transform B^T
@@ -150,7 +150,7 @@ def _match(nest: Loop) -> Conv | None:
         if (_index_vars(w_expr.ref) <= windows | {o.var}
                 and _is_output(aug.target, nest, o, y, x, tile, windows)
                 and aug.target.buffer not in (load.ref.buffer, w_expr.ref.buffer)
-                and not _vars(pad) and (guard is None or _vars(guard) <= _vars(load.ref))):
+                and not variables(pad) and (guard is None or variables(guard) <= variables(load.ref))):
             return Conv(nest, tile, o, y, x, c, ky, kx, aug.target, w_expr.ref, load.ref, guard, pad)
     return None
 
@@ -189,12 +189,7 @@ def _is_output(target: Ref, nest: Loop, o: Loop, y: Loop, x: Loop, tile: Loop | 
 
 
 def _index_vars(ref: Ref) -> set[str]:
-    return {v for e in ref.index for v in _vars(e)}
-
-
-def _vars(e) -> set[str]:
-    return {v for n in walk(e) if isinstance(n, Affine) for v in n.vars} | {
-        n.name for n in walk(e) if isinstance(n, Var)}
+    return {v for e in ref.index for v in variables(e)}
 
 
 def _rewrite(conv: Conv, bufs, key: tuple) -> list:
@@ -207,7 +202,7 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
     v = bufs.scratch((*key, "V"), f"{label}.V", (TILES, c.extent, n_tiles))
     m = bufs.scratch((*key, "M"), f"{label}.M", (TILES, o.extent, n_tiles))
     names = NameGen()   # fresh names: none the nest uses
-    names.used |= _vars(conv.nest) | {n.var for n in walk(conv.nest) if isinstance(n, Loop)}
+    names.used |= variables(conv.nest) | {n.var for n in walk(conv.nest) if isinstance(n, Loop)}
     ty, tx, e = names("_wy"), names("_wx"), names("_we")
     tile_at = Affine.build({ty: tw, tx: 1})
 
@@ -268,11 +263,8 @@ def _loop(var: str, extent: int) -> Loop:
 
 
 def _loops(loops: list[Loop], body: list) -> Loop:
-    """``loops`` (outermost first, their bodies replaced) around ``body``."""
-    block = Block(tuple(body))
-    for lp in reversed(loops):
-        block = Block((replace(lp, body=block, kind=LoopKind.SERIAL),))
-    return block.stmts[0]
+    """``loops`` (outermost first, their bodies replaced) around ``body``, serial."""
+    return nest([replace(lp, kind=LoopKind.SERIAL) for lp in loops], *body)
 
 
 def _combine(left, right, terms) -> Expr:
@@ -310,5 +302,5 @@ def _partial(dims: list[tuple[str, int, int]]) -> Expr | None:
     with an odd extent (a partial last tile); None if every tile is whole."""
     terms = [Compare("<", Affine.of(var, 2) + i, Const(extent))
              for var, i, extent in dims if extent % 2 and i]
-    return None if not terms else terms[0] if len(terms) == 1 else BoolOp("and", tuple(terms))
+    return conj(terms) if terms else None
 

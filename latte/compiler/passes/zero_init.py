@@ -65,7 +65,7 @@ def whole(buf: Buffer) -> Region:
     return 0, ((1, buf.size),)
 
 
-def _zeroed(s) -> tuple[Buffer, Region] | None:
+def zeroed_region(s) -> tuple[Buffer, Region] | None:
     """The buffer and region a nest of loops from 0 storing 0 clears, if ``s`` is one."""
     loops = []
     while isinstance(s, Loop) and s.start == 0 and len(s.body.stmts) == 1:
@@ -180,7 +180,7 @@ def fold_zero_init(kernel: Kernel, zeroed: frozenset[Buffer] = frozenset()
     pending: dict[Buffer, tuple[int | None, Region]] = {b: (None, whole(b)) for b in zeroed}
     folded: dict[Buffer, int | None] = {}
     for i, s in enumerate(stmts):
-        clear = _zeroed(s)
+        clear = zeroed_region(s)
         if clear is not None:
             pending[clear[0]] = (i, clear[1])
             continue
