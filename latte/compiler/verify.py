@@ -20,6 +20,7 @@ the guards of the statements after it in its block, until something assigns it a
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -237,14 +238,14 @@ class _Prover:
             self._domain = [f"({c})" for c in self.facts + guards]
         return self._domain
 
-    def set(self, head: list[str], extra: list[str]) -> isl.Set:
-        """``{ [head] : exists (every other name : domain and extra) }``."""
+    def set(self, head: list[str], extra: list[str]) -> str:
+        """``{ [head] : exists (every other name : domain and extra) }``, in isl's syntax."""
         cons = self.domain() + [f"({c})" for c in extra]
         names = sorted({w for c in cons for w in re.findall(r"\b[va]\d+\b", c)} - set(head))
         body = " and ".join(cons) or "1 = 1"
         if names:
             body = f"exists ({', '.join(names)} : {body})"
-        return isl.Set(f"{{ [{', '.join(head)}] : {body} }}")
+        return f"{{ [{', '.join(head)}] : {body} }}"
 
 
 def index_range(index: Expr, extent: int, scope: Scope, threads: int = 1) -> tuple | None:
@@ -259,10 +260,23 @@ def index_range(index: Expr, extent: int, scope: Scope, threads: int = 1) -> tup
             return lo, hi
     prover = _Prover(scope, threads)
     x = prover.lin(index)
-    if prover.set([], [f"({x}) < 0 or ({x}) >= {extent}"]).is_empty():
+    if _empty(prover.set([], [f"({x}) < 0 or ({x}) >= {extent}"])):
         return None
-    values = prover.set(["x"], [f"x = {x}"])
-    ends = []
+    return _ends(prover.set(["x"], [f"x = {x}"]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _empty(text: str) -> bool:
+    """Is the isl set ``text`` empty? (The passes re-verify a kernel after every step that
+    changes it, asking mostly the same questions.)"""
+    return isl.Set(text).is_empty()
+
+
+@functools.lru_cache(maxsize=4096)
+def _ends(text: str) -> tuple:
+    """The least and greatest value of the one-dimensional isl set ``text`` (None: unbounded
+    or not a constant)."""
+    values, ends = isl.Set(text), []
     for end in (values.dim_min, values.dim_max):
         try:
             ends.append(end(0).get_pieces()[0][1].get_constant_val().to_python())

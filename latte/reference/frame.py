@@ -111,7 +111,7 @@ class Slot:
     """A field as the neurons see it: ``array`` is ``(rows, vector)`` (``(batch, rows,
     vector)`` for a Batch field), ``grad`` the parameter gradient (None for other kinds),
     ``grad_interval`` its rounding bound, ``(lo, hi, partials)`` shaped alike (None: not
-    bounded; see :func:`_add_into`)."""
+    bounded; see :meth:`Frame.flush`)."""
 
     data: FieldData
     array: np.ndarray
@@ -153,6 +153,8 @@ class Frame:
         # traced Batch field writes at constant indices, so the tape follows a value kept in
         # a field and read back (the arrays hold plain values)
         self.kept: dict[tuple[str, int], object] = {}
+        # the terms added into each gradient, in order, until :meth:`flush` adds them
+        self.pending: dict[tuple, tuple] = {}
 
     # ------------------------------------------------------------ errors
     def fail(self, message: str, where: Mask = True) -> NeuronRuntimeError:
@@ -330,7 +332,7 @@ class Frame:
         cols, valid = self._columns(self.tables[k], i)
         lin = np.broadcast_to(cols, self.lanes) + np.arange(self.lanes[0])[:, None] * dest.shape[1]
         keep = None if valid is None else np.broadcast_to(valid, self.lanes)
-        _add_into(dest, self.grad_intervals[k], lin, g, self.lanes, keep)
+        self._add_into(dest, self.grad_intervals[k], lin, g, self.lanes, keep)
 
     def _to_param(self, slot: Slot, i, g) -> None:
         """Add ``g`` into the parameter gradient; ``g`` has the read's shape (a static
@@ -339,30 +341,41 @@ class Frame:
         shape = self.lanes if isinstance(i, np.ndarray) else (
             np.shape(tape.raw(g))[0] if n == 2 else 1, self.lanes[1])
         lin = slot.rows[None, :] * slot.grad.shape[1] + i
-        _add_into(slot.grad, slot.grad_interval, lin, g, shape)
+        self._add_into(slot.grad, slot.grad_interval, lin, g, shape)
 
+    def _add_into(self, dest: np.ndarray, bounds: tuple | None, lin, g, shape: tuple,
+                  keep: np.ndarray | None = None) -> None:
+        """Queue the terms ``g`` (broadcast to ``shape``) for adding into ``dest`` at the flat
+        positions ``lin`` (where ``keep``); :meth:`flush` adds them."""
+        lin = np.broadcast_to(lin, shape)
+        terms = [np.broadcast_to(x, shape)
+                 for x in (tape.raw(g), *(tape.interval(g) if bounds is not None else ()))]
+        if keep is not None:
+            lin, terms = lin[keep], [x[keep] for x in terms]
+        key = (dest.__array_interface__["data"][0], dest.shape)   # views of one gradient
+        queued = self.pending.setdefault(key, (dest, bounds, [], []))
+        queued[2].append(lin.reshape(-1))
+        queued[3].append([x.reshape(-1) for x in terms])
 
-def _add_into(dest: np.ndarray, bounds: tuple | None, lin, g, shape: tuple,
-              keep: np.ndarray | None = None) -> None:
-    """Add the terms ``g`` (broadcast to ``shape``) into ``dest`` at the flat positions
-    ``lin`` (where ``keep``); with ``bounds``, ``dest``'s ``(lo, hi, partials)``, widen the
-    interval by the terms' and add the partial sums' magnitudes (the additions' rounding,
-    :func:`rounding.spread` once the gradient is whole)."""
-    lin = np.broadcast_to(lin, shape)
-    terms = [np.broadcast_to(x, shape)
-             for x in (tape.raw(g), *(tape.interval(g) if bounds is not None else ()))]
-    if keep is not None:
-        lin, terms = lin[keep], [x[keep] for x in terms]
-    lin = lin.reshape(-1)
+    def flush(self) -> None:
+        """Add every queued term into its gradient, in the order they came; with bounds,
+        ``(lo, hi, partials)``, widen the interval by the terms' and add the partial sums'
+        magnitudes (the additions' rounding, :func:`rounding.spread` once the gradient is
+        whole). One pass per gradient: the frame's additions in one (no neuron body reads a
+        gradient it adds to), not one per loop iteration."""
+        for dest, bounds, lins, queued in self.pending.values():
+            lin = np.concatenate(lins)
+            terms = [np.concatenate(x) for x in zip(*queued)]
 
-    def added(weights: np.ndarray) -> np.ndarray:
-        return np.bincount(lin, weights.reshape(-1), dest.size).reshape(dest.shape)
+            def added(weights: np.ndarray, lin=lin, dest=dest) -> np.ndarray:
+                return np.bincount(lin, weights, dest.size).reshape(dest.shape)
 
-    if bounds is not None:
-        ends = rounding.accumulation(bounds[:2], rounding.parts(*terms[1:], added))
-        bounds[2][...] += rounding.partials(lin, terms[0].reshape(-1), dest)
-        bounds[0][...], bounds[1][...] = ends
-    dest += added(terms[0])
+            if bounds is not None:
+                ends = rounding.accumulation(bounds[:2], rounding.parts(*terms[1:], added))
+                bounds[2][...] += rounding.partials(lin, terms[0], dest)
+                bounds[0][...], bounds[1][...] = ends
+            dest += added(terms[0])
+        self.pending.clear()
 
 
 def is_int(v) -> bool:

@@ -432,6 +432,7 @@ class Reference:
                           intervals=self._intervals("values", tables, t),
                           grad_intervals=grad_bounds)
             run(self._body(ens, "backward", tables), frame)
+            frame.flush()
             self._store("values", ens, t, frame.value)
             self._store("grads", ens, t, frame.grad)
             return
@@ -452,5 +453,6 @@ class Reference:
         run(self._body(ens, "forward", tables), frame)
         tape.backprop([(frame.value, seed)])
         frame.unbound_overflow()
+        frame.flush()
         if isinstance(ens, ActivationEnsemble):
             self._store("grads", ens, t, received[0])
