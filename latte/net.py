@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from latte import random as latte_random
+from latte.aligned import aligned_zeros
 from latte.compiler import compile_net
 from latte.compiler.blas import pin_other_blas, set_blas_threads
 from latte.compiler.jit import openmp
@@ -18,7 +19,7 @@ from latte.lang import DataEnsemble, Ensemble, Graph, NormalizationEnsemble, Pha
 from latte.overrides import pick
 from latte.runtime import checkpoint, distributed
 from latte.runtime.executor import Executor
-from latte.runtime.memory import Memory, aligned_zeros
+from latte.runtime.memory import Memory
 from latte.runtime.predict import predict
 from latte.runtime.profile import Profile
 from latte.runtime.updater import Updater

@@ -64,6 +64,29 @@ def test_square_neuron_with_locals_and_branches(opt_level):
     check_gradients(net, [x])
 
 
+def test_parameters_live_in_the_ensembles_copy_not_the_users_array():
+    """The compiled net keeps a parameter where its ensemble holds it (no second copy of the
+    weights at init), and the array the user gave stays the user's."""
+    rng = np.random.default_rng(3)
+    net = Net(BATCH, opt_level=1)
+    x = MemoryDataLayer(net, "x", (6,))
+    w, b = np.ones((5, 6), np.float32), np.zeros((5, 1), np.float32)
+    sq = Ensemble(net, "sq", SquareNeuron, (5,), weights=w, bias=b)
+    add_connections(net, x, sq, lambda o: (range(6),))
+    WeightedSumLoss(net, "loss", sq)
+    net.init()
+    weights = net.params[0]
+    assert np.shares_memory(weights.value, sq.fields["weights"].array)
+    assert not np.shares_memory(weights.value, w)
+    assert weights.value.ctypes.data % 64 == 0
+    fill(net, x, rng)
+    net.forward()
+    net.backward()
+    net.update(0.1)
+    assert not np.array_equal(weights.value, w)
+    np.testing.assert_array_equal(w, 1.0)
+
+
 class LocalNeuron(Neuron):
     """Locally connected: each neuron has its own weights over a window of the input."""
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from latte.aligned import ALIGN
 from latte.compiler import HostStep, Segment, TimeSteps, flat_steps
 from latte.compiler.ir import Buffer, accesses
 from latte.compiler.jit import target
@@ -24,8 +25,6 @@ from latte.compiler.pipeline import llvm_ir
 from latte.errors import ExportError
 from latte.lang import Phase
 from latte.runtime.predict import PredictPlan, _plan, _sample_shape, _timed, prepare_fields
-
-ALIGN = 64   # as latte.runtime.memory: the generated code assumes nothing less
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from latte.aligned import aligned_zeros
 from latte.errors import MappingError, ShapeError
 from latte.lang.graph import Phase
 from latte.lang.neuron import FieldKind, FieldSpec, Neuron, field_specs
@@ -103,7 +104,9 @@ class Ensemble(BaseEnsemble):
         index_map = None
         if isinstance(given, tuple) and len(given) == 2 and callable(given[1]):
             given, index_map = given
-        array = np.array(given, dtype=np.float32, copy=True)
+        values = np.asarray(given, dtype=np.float32)
+        array = aligned_zeros(values.shape, np.float32)   # the ensemble's own copy, which the
+        array[...] = values                                # compiled program keeps as it is
         if index_map is None:
             if array.shape[: len(self.shape)] != self.shape:
                 raise ShapeError(f"ensemble {self.name!r}: field {fname!r} has shape {array.shape}, "

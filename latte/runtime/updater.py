@@ -14,6 +14,7 @@ from typing import Callable
 
 import numpy as np
 
+from latte.aligned import aligned_zeros
 from latte.compiler import Buffer, Segment
 from latte.compiler.update import (
     ParamBuffers,
@@ -24,7 +25,6 @@ from latte.compiler.update import (
     update_code,
 )
 from latte.runtime.executor import Executor, NativeCode
-from latte.runtime.memory import aligned_zeros
 
 CLIP_EPS = 1e-6   # torch's clip_grad_norm_: scale = max_norm / (norm + 1e-6)
 
