@@ -11,9 +11,8 @@ other), so that other processes' load falls on both alike:
 
 - ``zero-copy``: ``ConcatLayer``, which the compiler makes zero-copy (the branches compute
   into the join's buffer, the join runs no code: ``latte.compiler.joins``);
-- ``copy``: a concat whose neuron computes ``1.0 * (sum of its inputs)``, the same values,
-  which the compiler does not take for a join and so copies, forward and backward, as it did
-  every concat before joins were zero-copy.
+- ``copy``: the same ``ConcatLayer`` compiled with ``LATTE_JOINS=0``, which keeps every
+  join a copy, forward and backward, as every concat was before joins were zero-copy.
 
 ``fwd`` is the test forward (``net.forward(Phase.TEST)``), ``fwd+bwd`` a training pass
 (backward from the zeroed gradient of the last layer), medians in ms; ``join ms`` is the
@@ -50,29 +49,6 @@ WIDTHS = (64, 96, 128, 16, 32, 32)   # GoogLeNet's 3a: 1x1, 3x3 reduce, 3x3, 5x5
 NEXT = 128                           # 3b's 1x1 branch
 
 
-def _copy_concat(name, net, inputs):
-    """A four-input concat the compiler copies (its forward is no plain sum)."""
-    from latte import Ensemble, Neuron, add_connections
-
-    class CopiedConcat(Neuron):
-        def forward(self):
-            self.value = 1.0 * (self.inputs[0][0] + self.inputs[1][0] + self.inputs[2][0]
-                                + self.inputs[3][0])
-
-        def backward(self):
-            self.grad_inputs[0][0] += self.grad
-            self.grad_inputs[1][0] += self.grad
-            self.grad_inputs[2][0] += self.grad
-            self.grad_inputs[3][0] += self.grad
-
-    cat = Ensemble(net, name, CopiedConcat, (sum(e.shape[0] for e in inputs), *inputs[0].shape[1:]))
-    first = 0
-    for e in inputs:
-        add_connections(net, e, cat, lambda c, y, x, o=first: (c - o, y, x), padding=0.0)
-        first += e.shape[0]
-    return cat
-
-
 def latte_net(variant: str, threads: int, batch: int, profile: bool = False):
     from latte import Net
     from latte.stdlib import ConcatLayer, ConvolutionLayer, MaxPoolingLayer, MemoryDataLayer, ReLULayer
@@ -88,9 +64,12 @@ def latte_net(variant: str, threads: int, batch: int, profile: bool = False):
     branches = [conv("1x1", data, n1, 1), conv("3x3", conv("3x3_reduce", data, r3, 1), n3, 3),
                 conv("5x5", conv("5x5_reduce", data, r5, 1), n5, 5),
                 conv("pool_proj", MaxPoolingLayer("pool", net, data, 3, 1, 1), pp, 1)]
-    join = (ConcatLayer if variant == "zero-copy" else _copy_concat)("output", net, branches)
-    conv("next_1x1", join, NEXT, 1)
-    net.init()
+    conv("next_1x1", ConcatLayer("output", net, branches), NEXT, 1)
+    os.environ["LATTE_JOINS"] = "1" if variant == "zero-copy" else "0"
+    try:
+        net.init()
+    finally:
+        del os.environ["LATTE_JOINS"]
     net.value(data)[...] = np.random.default_rng(0).standard_normal((batch, *SHAPE))
     return net
 

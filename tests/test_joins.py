@@ -191,6 +191,16 @@ def test_joins_that_stay_copies(case):
         assert_same(got, want, f"{case} at level {level}")
 
 
+def test_latte_joins_0_keeps_every_join_a_copy(monkeypatch):
+    build = lambda net, x: ConcatLayer("cat", net, _pair(net, x))  # noqa: E731
+    want = run(build, 0, shape=(3, 4, 8))[1]
+    monkeypatch.setenv("LATTE_JOINS", "0")
+    net, got = run(build, 3, shape=(3, 4, 8))
+    assert [j.why_not for j in net.program.joins] == ["LATTE_JOINS=0 keeps every join a copy"]
+    assert not net.program.buffers.windows
+    assert_same(got, want, "LATTE_JOINS=0 at level 3")
+
+
 def _nested(net, x):
     a, b = _pair(net, x)
     inner = ConcatLayer("inner", net, [a, b])

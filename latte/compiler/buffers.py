@@ -106,6 +106,11 @@ class BufferPlan:
             offset += step
         return buf, offset
 
+    def value_home(self, ens) -> Buffer:
+        """The buffer kernels write ``ens``'s values into: its own, or the zero-copy join's
+        it is a window of."""
+        return self.home(self.value(ens))[0]
+
     def private(self, buf: Buffer) -> Buffer:
         """Per-thread private copies of ``buf`` (gradients accumulated in parallel)."""
         return self._get((buf, "private"), f"{buf.name}.private", (self.threads, *buf.shape))

@@ -307,7 +307,7 @@ def keep_or_recompute(group: Group, bufs) -> None:
         kept = tuple(b for b in mine if b in written and b in used)
         if not kept:
             continue
-        value = bufs.home(bufs.value(ens))[0]   # a zero-copy join's, for its input
+        value = bufs.value_home(ens)   # a zero-copy join's, for its input
         nests = [s for s in fwd.body.stmts if {a.buffer for a in fwd_acc[id(s)]} & set(kept)]
         users = [s for s in bwd.body.stmts if {a.buffer for a in bwd_acc[id(s)]} & set(kept)]
         found = [a for s in nests for a in fwd_acc[id(s)]]

@@ -48,6 +48,7 @@ are applied in net order, so a join feeding another ends up in the outer one's b
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 from latte.compiler.buffers import BufferPlan, storage_owner
@@ -176,6 +177,8 @@ def _why_not(net, plan, shifts, bufs: BufferPlan, stepped, opt_level: int) -> st
     """Why ``plan``'s join must stay a copy (None: it may be zero-copy)."""
     if opt_level == 0:
         return "opt level 0 runs the plain copy (the reference of the other levels)"
+    if os.environ.get("LATTE_JOINS") == "0":
+        return "LATTE_JOINS=0 keeps every join a copy"
     why = _pure(plan, shifts)
     if why is not None:
         return why

@@ -88,7 +88,7 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list 
         if k.name in owners:
             plans = owners[k.name].plans
             # the buffers the kernels access (a zero-copy join's, for its inputs)
-            values = [bufs.home(bufs.value(p.ensemble))[0] for p in plans]
+            values = [bufs.value_home(p.ensemble) for p in plans]
             # an in-place activation of an input from outside the group (a data ensemble)
             # reads that input's buffer: it is no intermediate of the group
             outside = {v for p, v in zip(plans, values) if storage_owner(p.ensemble)

@@ -148,7 +148,7 @@ def _make_plan(net, out) -> PredictPlan:
                          "or an ArrayDataLayer's data)")
     program, bufs = net.program, net.program.buffers
     mine = {id(e) for e in ancestors}
-    value = bufs.home(bufs.value(out))[0]   # what kernels write (a zero-copy join's)
+    value = bufs.value_home(out)   # what kernels write (a zero-copy join's)
     steps = [s for s in program.test if not isinstance(s, HostStep) or id(s.ensemble) in mine]
     if not isinstance(out, DataEnsemble) and not _writes(steps, value, bufs):
         # a fused group's intermediate in the test program: the training forward stores it
