@@ -124,11 +124,12 @@ class _TargetLoss(NormalizationEnsemble):
         x, t = (a.reshape(a.shape[0], -1)[:valid].astype(np.float64) for a in inputs)
         if self.bounds is not None:
             lo, hi = self.bounds
-            bad = (t < lo - ROUNDING * max(1.0, abs(lo))) | (t > hi + ROUNDING * max(1.0, abs(hi)))
-            if check and bad.any():
-                i, j = np.unravel_index(int(np.argmax(bad)), bad.shape)
-                raise ShapeError(f"loss {self.name!r}: target {t[i, j]:.9g} of batch item {i} "
-                                 f"is not in [{lo:g}, {hi:g}]")
+            if check:
+                bad = (t < lo - ROUNDING * max(1.0, abs(lo))) | (t > hi + ROUNDING * max(1.0, abs(hi)))
+                if bad.any():
+                    i, j = np.unravel_index(int(np.argmax(bad)), bad.shape)
+                    raise ShapeError(f"loss {self.name!r}: target {t[i, j]:.9g} of batch item "
+                                     f"{i} is not in [{lo:g}, {hi:g}]")
             t = np.clip(t, lo, hi)
         return x, t
 

@@ -400,7 +400,6 @@ def _base(views: dict, name: str) -> Buffer:
     return next(base for base, _ in views.values() if base.name == name)
 
 
-
 def _over_cx(stmt) -> Loop:
     return _nest(["c", "x"], {"c": 4, "x": 8}, stmt).body.stmts[0]
 

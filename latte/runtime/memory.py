@@ -27,10 +27,14 @@ class Memory:
     ensemble's own copy, made aligned): VGG-16's 553 MB of weights are not copied again."""
 
     def __init__(self, program: Program):
-        self.arrays = {}
         bufs = program.buffers
+        # the parameters and fields kept where their ensembles hold them
+        self.arrays = {bufs.field(p.ensemble, f.name): f.array for p in program.plans
+                       for f in p.ensemble.fields.values()
+                       if f.array.shape == bufs.field(p.ensemble, f.name).shape
+                       and is_aligned(f.array)}
         for buf in bufs.buffers.values():
-            if buf not in bufs.windows:
+            if buf not in bufs.windows and buf not in self.arrays:
                 self.arrays[buf] = aligned_zeros(buf.shape, np.int32 if buf.dtype == "int32" else np.float32)
         for buf in bufs.windows:
             home, offset = bufs.home(buf)
@@ -38,11 +42,9 @@ class Memory:
         for plan in program.plans:
             ens = plan.ensemble
             for f in ens.fields.values():
-                buf = bufs.field(ens, f.name)
-                if f.array.shape == buf.shape and is_aligned(f.array):
-                    self.arrays[buf] = f.array
-                else:
-                    self.arrays[buf][...] = f.array  # a Batch field broadcasts over the batch
+                arr = self.arrays[bufs.field(ens, f.name)]
+                if arr is not f.array:
+                    arr[...] = f.array  # a Batch field broadcasts over the batch
             for acc in plan.accesses:
                 if acc.table is not None:
                     self.arrays[bufs.table(acc.conn, acc.table.shape)][...] = acc.table

@@ -42,14 +42,14 @@ def fuse_nests(kernel: Kernel) -> Kernel:
 def merge_pointwise(stmts: tuple) -> tuple:
     """``stmts`` with each run of consecutive point-wise nests over the same loops merged
     into one nest (see the module's docstring)."""
-    out: list = []
+    out: list = []   # (statement, its loops)
     for s in stmts:
         loops = _perfect(s)
-        if out and loops is not None and _perfect(out[-1]) == loops and _pointwise(out[-1], s):
-            out[-1] = _join(out[-1], s)
+        if out and loops is not None and out[-1][1] == loops and _pointwise(out[-1][0], s, loops):
+            out[-1] = (_join(out[-1][0], s), loops)
         else:
-            out.append(s)
-    return tuple(out)
+            out.append((s, loops))
+    return tuple(s for s, _ in out)
 
 
 def _perfect(s) -> tuple | None:
@@ -68,7 +68,8 @@ def _perfect(s) -> tuple | None:
     return None
 
 
-def _pointwise(a: Loop, b: Loop) -> bool:
+def _pointwise(a: Loop, b: Loop, loops: tuple) -> bool:
+    """May nests ``a`` and ``b``, both over ``loops``, run as one (the module's docstring)?"""
     in_a, in_b = accesses(a), accesses(b)
     written = {x.buffer for x in in_a + in_b if x.written}
     shared = written & {x.buffer for x in in_a} & {x.buffer for x in in_b}
@@ -78,7 +79,7 @@ def _pointwise(a: Loop, b: Loop) -> bool:
     if len(offsets) != 1 or None in offsets:
         return False
     (offset,) = offsets
-    return _one_to_one(offset, _perfect(a))
+    return _one_to_one(offset, loops)
 
 
 def _one_to_one(offset, loops: tuple) -> bool:
