@@ -24,7 +24,7 @@ import os
 
 from llvmlite import ir
 
-from latte.compiler import mathfn
+from latte.compiler import mathfn, microkernel
 from latte.compiler.fingerprint import structure
 from latte.compiler.ir import (
     TID,
@@ -402,9 +402,16 @@ class _KernelEmitter:
             self.sgemm(g)
 
     def sgemm(self, g: Gemm):
-        """The BLAS call for ``g``: a matrix-vector product where one of M and N is 1 (an FC
-        layer at batch 1: OpenBLAS's sgemm runs it at a third of sgemv's speed), else sgemm."""
+        """The code for ``g``: over a packed B, the register-tiled product; else the BLAS
+        call, a matrix-vector product where one of M and N is 1 (an FC layer at batch 1:
+        OpenBLAS's sgemm runs it at a third of sgemv's speed), else sgemm."""
         ptr = lambda buf, off: self.b.gep(self.args[buf], [self.affine(off)], inbounds=True)  # noqa: E731
+        if g.panel:
+            vec = ir.VectorType(F32, g.panel[2])
+            fma = self.mb.declare(f"llvm.fma.v{vec.count}f32", vec, [vec] * 3)
+            microkernel.emit(self.b, g, ptr(g.a_buf, g.a_off), ptr(g.b_buf, g.b_off),
+                             ptr(g.c_buf, g.c_off), fma)
+            return
         c = lambda x: ir.Constant(I32, int(x))  # noqa: E731
         alpha, beta = ir.Constant(F32, g.alpha), ir.Constant(F32, g.beta)
         if g.n == 1 or g.m == 1:

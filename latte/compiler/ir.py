@@ -291,7 +291,11 @@ class Gemm(Stmt):
     """``C[m, n] = alpha * op(A)[m, k] @ op(B)[k, n] + beta * C`` on row-major slices.
 
     ``a``, ``b``, ``c`` are element offsets (affine in enclosing loop variables) into the
-    buffers; ``ld*`` are leading dimensions as in CBLAS.
+    buffers; ``ld*`` are leading dimensions as in CBLAS. ``panel`` = ``(rows, cols, lanes)``
+    when B is packed in panels (:mod:`latte.compiler.passes.pack`): ``op(B)`` stored from
+    ``b_off`` as ``[ceil(n / cols)][k][cols]``, the last panel zero-padded (``ldb`` is
+    ``cols``, ``trans_b`` False), and the product computed ``rows x cols`` at a time in
+    vectors of ``lanes`` floats (:mod:`latte.compiler.microkernel`) instead of by BLAS.
     """
 
     m: int
@@ -310,6 +314,14 @@ class Gemm(Stmt):
     ldc: int
     alpha: float = 1.0
     beta: float = 1.0
+    panel: tuple[int, int, int] = ()
+
+    @property
+    def b_rows(self) -> int:
+        """Rows of B's block as stored (``ldb`` apart)."""
+        if self.panel:
+            return -(-self.n // self.panel[1]) * self.k
+        return self.n if self.trans_b else self.k
 
 
 @dataclass(frozen=True)
@@ -460,10 +472,11 @@ def accesses(node: Node) -> list[Access]:
             return
         if isinstance(n, Gemm):
             a_rows, a_cols = (n.k, n.m) if n.trans_a else (n.m, n.k)
-            b_rows, b_cols = (n.n, n.k) if n.trans_b else (n.k, n.n)
+            b_cols = n.ldb if n.panel else n.k if n.trans_b else n.n
             out.extend((
                 Access(n.a_buf, n.a_off, False, block=((n.lda, a_rows), (1, a_cols)), loops=loops),
-                Access(n.b_buf, n.b_off, False, block=((n.ldb, b_rows), (1, b_cols)), loops=loops),
+                Access(n.b_buf, n.b_off, False, block=((n.ldb, n.b_rows), (1, b_cols)),
+                       loops=loops),
                 Access(n.c_buf, n.c_off, True, block=((n.ldc, n.m), (1, n.n)), loops=loops)))
         for c in children(n):
             visit(c, loops)

@@ -1,5 +1,6 @@
-"""What the compiler needs to know about the machine: cache sizes, read from sysfs; and what
-the profiler measures its speed against: one core's peak (:func:`peak`)."""
+"""What the compiler needs to know about the machine: cache sizes, read from sysfs, and its
+vector registers, from LLVM's host features; and what the profiler measures its speed
+against: one core's peak (:func:`peak`)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,16 @@ def cache_sizes() -> dict[int, int]:
     return sizes
 
 
+@functools.lru_cache(maxsize=None)
+def vector_registers() -> tuple[int, int]:
+    """``(bits, count)`` of the host's widest float vector registers: AVX-512 has 32 of 512
+    bits, AVX 16 of 256, SSE 16 of 128."""
+    features = llvm.get_host_cpu_features()
+    if features.get("avx512f"):
+        return 512, 32
+    return (256 if features.get("avx") else 128), 16
+
+
 # ---------------------------------------------------------------- the peak (the profiler's yardstick)
 
 #: Square sizes of the sgemm timed for the peak: a cache-resident one (finishes within a
@@ -77,11 +88,10 @@ def host() -> dict[str, str | int]:
     """The CPU's model name, LLVM's name and features for it, its vector width in bits and
     the OpenBLAS build: what a measured peak is valid for."""
     features = llvm.get_host_cpu_features()
-    bits = 512 if features.get("avx512f") else 256 if features.get("avx") else 128
     config = blas().scipy_openblas_get_config
     config.restype = ctypes.c_char_p
     return {"cpu": _model_name(), "llvm_cpu": llvm.get_host_cpu_name(),
-            "features": features.flatten(), "vector_bits": bits,
+            "features": features.flatten(), "vector_bits": vector_registers()[0],
             "blas": config().decode()}
 
 

@@ -32,7 +32,7 @@ from latte.compiler.graph_checks import check_graph
 from latte.compiler.ir import Block, Kernel, Ref, walk
 from latte.compiler.jit import target
 from latte.compiler.joins import join_in_place
-from latte.compiler.machine import cache_sizes
+from latte.compiler.machine import cache_sizes, vector_registers
 from latte.compiler.mapping import analyze_connections
 from latte.compiler.passes import (
     copy_windows,
@@ -45,10 +45,11 @@ from latte.compiler.passes import (
     prune_dead_gradients,
     tile_loops,
 )
+from latte.compiler.passes.pack import pack_weights
 from latte.compiler.passes.time_hoist import hoist_param_grads
 from latte.compiler.passes.winograd import winograd
 from latte.compiler.printer import format_ir
-from latte.compiler.program import AFTER_LOOP, EnsemblePlan, Program, Segment
+from latte.compiler.program import AFTER_LOOP, BEFORE_LOOP, EnsemblePlan, Program, Segment
 from latte.compiler.step_fusion import fuse_steps
 from latte.compiler.synthesis import synthesize
 from latte.compiler.verify import verify_kernel
@@ -203,6 +204,22 @@ def _localize_recomputed(c: Compilation) -> None:
         owner.kernels["backward"] = localize(owner.kernels["backward"], again, c.bufs)
 
 
+def _pack_weights(c: Compilation) -> None:
+    """A time loop's GEMMs over parameters read them packed, by a kernel run once before
+    the loop (``LATTE_PACK=0``: BLAS at every step)."""
+    if os.environ.get("LATTE_PACK") == "0":
+        return
+    params = frozenset(c.bufs.field(e, f.name) for e in c.net.ensembles
+                       if isinstance(e, Ensemble) for f in e.params)
+    for plan in c.plans:
+        if plan.ensemble in c.stepped:
+            for phase in PHASES:
+                kernel, pack = pack_weights(plan.kernels[phase], c.bufs, params,
+                                            vector_registers())
+                if pack.body.stmts:
+                    plan.kernels[phase], plan.kernels[BEFORE_LOOP[phase]] = kernel, pack
+
+
 def _schedule(c: Compilation) -> None:
     """Kernels -> segments and host steps per phase; the gradient-zeroing kernel (a
     solver's update is compiled when it first runs: ``latte.compiler.update``)."""
@@ -254,6 +271,8 @@ STEPS = (
     Step("fuse_nests", 2, lambda c, k: fuse_nests(k)),
     # batch x tiles across threads, private gradients reduced in thread order
     Step("parallelize", 2, lambda c, k: parallelize(k, c.bufs)),
+    # a time loop's GEMMs over parameters: B packed once before the loop, then tiled products
+    Step("pack_weights", 2, _pack_weights, per_kernel=False),
     Step("localize_recomputed", 3, _localize_recomputed, per_kernel=False),
     Step("schedule", 0, _schedule, per_kernel=False),
 )

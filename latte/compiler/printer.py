@@ -90,9 +90,15 @@ def fmt_stmt(s, indent: int = 0) -> list[str]:
         return [f"{pad}{fmt_expr(s.target)} {s.op}= {fmt_expr(s.value)}"]
     if isinstance(s, Gemm):
         ta, tb = "T" if s.trans_a else "N", "T" if s.trans_b else "N"
-        return [f"{pad}sgemm({ta}{tb}, m={s.m}, n={s.n}, k={s.k}, "
+        b = f"ldb={s.ldb}"
+        if s.panel:   # the register-tiled product over a packed B
+            rows, cols, lanes = s.panel
+            call, ta, b = f"tiled_gemm({rows}x{cols} tiles of {lanes}-float vectors, ", ta, "packed"
+        else:
+            call, ta = "sgemm(", ta + tb
+        return [f"{pad}{call}{ta}, m={s.m}, n={s.n}, k={s.k}, "
                 f"A={s.a_buf.name}[{fmt_expr(s.a_off)}:] lda={s.lda}, "
-                f"B={s.b_buf.name}[{fmt_expr(s.b_off)}:] ldb={s.ldb}, "
+                f"B={s.b_buf.name}[{fmt_expr(s.b_off)}:] {b}, "
                 f"C={s.c_buf.name}[{fmt_expr(s.c_off)}:] ldc={s.ldc}, beta={s.beta:g})"]
     return [pad + repr(s)]
 

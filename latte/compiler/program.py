@@ -41,6 +41,8 @@ class TimeSteps:
 
 # the plan kernel of a time loop's ensemble that runs once after its backward loop
 AFTER_LOOP = "after_loop"
+# the plan kernels of a time loop's ensemble that run once before its loop, per phase
+BEFORE_LOOP = {"forward": "before_forward_loop", "backward": "before_backward_loop"}
 
 
 def flat_steps(steps) -> list:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from latte.compiler.buffers import BufferPlan, storage_owner
 from latte.compiler.ir import Block, Kernel, accesses
 from latte.compiler.passes import drop_stores, localize
-from latte.compiler.program import AFTER_LOOP, HostStep, Segment, TimeSteps
+from latte.compiler.program import AFTER_LOOP, BEFORE_LOOP, HostStep, Segment, TimeSteps
 from latte.compiler.synthesis import zero_loop
 from latte.errors import CompileError
 from latte.lang import ActivationEnsemble, Ensemble, NormalizationEnsemble, Phase
@@ -31,8 +31,13 @@ def phase_steps(ensembles, by_ens, phase: str, prefix: str, split: bool = False,
         if ens in loops:
             loop = loops[ens]
             if ens is (loop.ensembles[-1] if phase == "backward" else loop.ensembles[0]):
-                flush()
                 members = [e for e in ensembles if loops.get(e) is loop]
+                for plan in (by_ens[e] for e in members if e in by_ens):   # weights packed
+                    if BEFORE_LOOP[phase] in plan.kernels:
+                        run.append(plan.kernels[BEFORE_LOOP[phase]])
+                        if split:
+                            flush()
+                flush()
                 inner = phase_steps(members, by_ens, phase, f"{prefix}{len(steps)}t", split)
                 steps.append(TimeSteps(f"{prefix}{len(steps)}", tuple(inner),
                                        phase == "backward", _views(inner, bufs), tuple(members)))

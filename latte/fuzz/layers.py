@@ -9,6 +9,7 @@ here leaves every earlier case's generated layers as they were.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -223,7 +224,13 @@ LAYERS.append(Layer("meanpool_exclusive", image, _mean_pool_exclusive))
 # embedding is left out (it reads integer ids, which random data is not)
 def _recurrent(rng, net, name, src, pool):
     layer = pick(rng, [RNNLayer, LSTMLayer, GRULayer])
-    return layer(name, net, src, int(rng.integers(1, 5)))
+    hidden = int(rng.integers(1, 5))
+    # half of them wide enough that a step's products are GEMMs (weights packed at level
+    # 2+), drawn from a stream of the layer's own: the case's other draws stay as they were
+    own = np.random.default_rng([zlib.crc32(name.encode()), 12])
+    if own.random() < 0.5:
+        hidden += int(own.integers(16, 37))
+    return layer(name, net, src, hidden)
 
 
 LAYERS.append(Layer("recurrent", lambda src: src.net.time_steps > 1 and src.size <= 16, _recurrent))

@@ -1,0 +1,129 @@
+"""Weights packed once before a time loop, and the register-tiled product that reads them:
+the micro-kernel against numpy (partial tiles, transposed A, alpha and beta, both vector
+widths), the tile against the register file, and an LSTM at opt level 3 against level 0."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+from helpers import assert_scaled_close
+
+from latte import Net
+from latte.compiler import Segment, TimeSteps
+from latte.compiler.codegen import ModuleBuilder
+from latte.compiler.explain import explain_program
+from latte.compiler.ir import Affine, Block, Buffer, Gemm, Kernel, walk
+from latte.compiler.jit import target
+from latte.compiler.microkernel import MAX_ROWS, tile
+from latte.stdlib import FullyConnectedLayer, LSTMLayer, MemoryDataLayer, SoftmaxLossLayer
+
+
+def _packed(b: np.ndarray, cols: int) -> np.ndarray:
+    """``b`` (k, n) as ``[ceil(n / cols)][k][cols]``, the last panel zero-padded."""
+    k, n = b.shape
+    panels = -(-n // cols)
+    padded = np.zeros((k, panels * cols), np.float32)
+    padded[:, :n] = b
+    return np.ascontiguousarray(padded.reshape(k, panels, cols).transpose(1, 0, 2))
+
+
+def _run_tiled(m, n, k, rows, cols, lanes, trans_a, alpha, beta, seed=0):
+    rng = np.random.default_rng(seed)
+    lda, ldc = (m if trans_a else k) + 3, n + 5        # leading dimensions wider than the block
+    a = rng.standard_normal(((k if trans_a else m), lda)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    c = rng.standard_normal((m, ldc)).astype(np.float32)
+    p = _packed(b, cols)
+    bufs = [Buffer(("A",), "A", a.shape), Buffer(("P",), "P", p.shape), Buffer(("C",), "C", c.shape)]
+    gemm = Gemm(m, n, k, bufs[0], Affine(), lda, trans_a, bufs[1], Affine(), cols, False,
+                bufs[2], Affine(), ldc, alpha=alpha, beta=beta, panel=(rows, cols, lanes))
+    mb = ModuleBuilder({buf: i for i, buf in enumerate(bufs)})
+    mb.add_segment("seg", [Kernel("tiled", Block((gemm,)))])
+    lib = target().compile(str(mb.module))
+    op_a = (a[:, :m].T if trans_a else a[:, :k]).astype(np.float64)
+    expected = c.astype(np.float64)
+    expected[:, :n] = alpha * op_a @ b.astype(np.float64) + beta * expected[:, :n]
+    table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, p, c)))
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lib.address("seg"))(ctypes.addressof(table))
+    return c, expected
+
+
+@pytest.mark.parametrize("m,n,k,rows,cols,lanes", [
+    (32, 1024, 64, 4, 64, 16),    # whole tiles
+    (13, 150, 37, 4, 48, 16),     # a partial row tile and a partial panel (a partial vector)
+    (5, 7, 3, 2, 16, 8),          # n below one vector
+    (9, 40, 20, 6, 16, 8),        # AVX2-sized tiles
+    (1, 33, 11, 1, 32, 16),       # one row
+])
+@pytest.mark.parametrize("trans_a,alpha,beta", [(False, 1.0, 0.0), (True, 1.0, 1.0),
+                                                (False, 0.5, -2.0)])
+def test_tiled_gemm_matches_numpy(m, n, k, rows, cols, lanes, trans_a, alpha, beta):
+    c, expected = _run_tiled(m, n, k, rows, cols, lanes, trans_a, alpha, beta)
+    # columns past n (a partial panel's padding) are left as they were
+    np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4 * max(1, k) ** 0.5)
+    np.testing.assert_array_equal(c[:, n:], expected[:, n:])
+
+
+@pytest.mark.parametrize("bits,registers", [(256, 16), (512, 32), (128, 16)])
+@pytest.mark.parametrize("m,n", [(1, 10), (5, 3), (13, 150), (32, 1024), (32, 256),
+                                 (256, 512), (7, 2048)])
+def test_tile_fits_the_register_file(bits, registers, m, n):
+    lanes = bits // 32
+    rows, cols = tile(m, n, lanes, registers)
+    vecs = cols // lanes
+    assert cols % lanes == 0 and 1 <= rows <= min(m, MAX_ROWS)
+    assert rows * vecs + vecs + 1 <= registers   # accumulators, B's vectors, a broadcast
+
+
+def test_an_lstm_step_gets_whole_tiles_on_avx512():
+    rows, cols = tile(32, 1024, 16, 32)
+    assert 32 % rows == 0 and 1024 % cols == 0 and rows * cols // 16 >= 16
+
+
+def _lstm(level: int, threads: int, batch: int = 13, hidden: int = 150) -> Net:
+    net = Net(batch, time_steps=3, opt_level=level, num_threads=threads, seed=5)
+    x = MemoryDataLayer(net, "x", (9,))
+    label = MemoryDataLayer(net, "label", (1,))
+    h = LSTMLayer("lstm", net, x, hidden)
+    SoftmaxLossLayer("loss", net, FullyConnectedLayer("out", net, h, 6), label)
+    net.init()
+    return net
+
+
+def _tiled(net: Net) -> list[Gemm]:
+    loops = [s for s in (*net.program.forward, *net.program.backward) if isinstance(s, TimeSteps)]
+    return [g for loop in loops for s in loop.steps for k in s.kernels for g in walk(k.body)
+            if isinstance(g, Gemm) and g.panel]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_recurrent_products_read_weights_packed_before_the_loop(threads):
+    base, opt = _lstm(0, 1), _lstm(3, threads)
+    tiled = _tiled(opt)
+    # forward and backward, and with 2 threads each thread's slice (a partial last one)
+    assert len(tiled) >= (2 if threads == 1 else 4)
+    assert any(g.n % g.panel[1] for g in tiled) and any(g.m % g.panel[0] for g in tiled)
+    packs = {k.name for s in opt.program.forward + opt.program.backward if isinstance(s, Segment)
+             for k in s.kernels if k.name.endswith("_pack")}
+    assert packs == {"lstm.hh.forward_pack", "lstm.hh.backward_pack"}
+    assert "tiled_gemm(" in explain_program(opt.program)
+    for p, q in zip(base.params, opt.params, strict=True):
+        q.value[...] = p.value
+    rng = np.random.default_rng(0)
+    for net in (base, opt):
+        net.value("x")[...] = rng.standard_normal(net.value("x").shape)
+        net.value("label")[...] = rng.integers(0, 6, net.value("label").shape)
+        rng = np.random.default_rng(0)
+        net.forward()
+        net.backward()
+    assert_scaled_close(opt.value("lstm"), base.value("lstm"), 1e-5, "hidden values")
+    assert_scaled_close(opt.grad("x"), base.grad("x"), 1e-5, "input gradient")
+    for p, q in zip(base.params, opt.params):
+        assert_scaled_close(q.grad, p.grad, 1e-5, f"gradient of {p.name}")
+
+
+def test_latte_pack_0_keeps_blas(monkeypatch):
+    monkeypatch.setenv("LATTE_PACK", "0")
+    assert not _tiled(_lstm(3, 2))
