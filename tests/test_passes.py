@@ -7,9 +7,9 @@ import itertools
 
 import numpy as np
 import pytest
-from helpers import fill
+from helpers import WeightedSumLoss, fill
 
-from latte import Batch, Ensemble, Net, Neuron, add_connections
+from latte import Batch, Ensemble, Net, Neuron, Param, add_connections
 from latte.compiler.ir import (
     Affine,
     Assign,
@@ -20,6 +20,7 @@ from latte.compiler.ir import (
     Buffer,
     Const,
     Gemm,
+    If,
     Kernel,
     Load,
     Loop,
@@ -31,7 +32,7 @@ from latte.compiler.passes import distribute_loops, match_gemm
 from latte.compiler.passes.fuse import merge_pointwise
 from latte.compiler.passes.localize import _gemm_row
 from latte.compiler.passes.time_hoist import hoist_param_grads
-from latte.stdlib import MemoryDataLayer
+from latte.stdlib import ConvolutionLayer, MemoryDataLayer
 
 # ---------------------------------------------------------------- a tiny IR interpreter
 
@@ -427,3 +428,68 @@ def test_pointwise_nests_merge_only_where_each_iteration_owns_its_elements(first
     merged = merge_pointwise((first, second))
     assert len(merged) == (1 if merges else 2)
     _same_result(Kernel("test", Block((first, second))), Kernel("test", Block(merged)))
+
+
+# ---------------------------------------------------------------- unswitching
+
+
+class GatedNeuron(Neuron):
+    """Adds ``w[k] * x[k]`` for the ``k`` below the item's gate (the same for every neuron),
+    then a term chosen by the gate and passed through a local to the next statement."""
+
+    w: Param
+
+    def forward(self):
+        g = self.inputs[1][0]
+        for k in range(len(self.w)):
+            if g > k:
+                t = self.w[k] * self.inputs[0][k]
+                self.value += t
+        if g > 2.5:
+            s = self.inputs[0][0] * 2.0
+        else:
+            s = self.inputs[0][1]
+        self.value += s
+
+
+def _gated(level: int, threads: int) -> Net:
+    net = Net(4, opt_level=level, num_threads=threads, seed=1)
+    x = MemoryDataLayer(net, "x", (6,))
+    gate = MemoryDataLayer(net, "gate", (1,))
+    ens = Ensemble(net, "gated", GatedNeuron, (5,), w=np.arange(30, dtype=np.float32).reshape(5, 6) / 7)
+    add_connections(net, x, ens, lambda i: (range(6),))
+    add_connections(net, gate, ens, lambda i: (0,))
+    WeightedSumLoss(net, "loss", ens)
+    net.init()
+    net.value("x")[...] = np.random.default_rng(0).standard_normal((4, 6))
+    net.value("gate")[:, 0] = [0.0, 2.0, 3.0, 6.0]
+    net.forward()
+    net.backward()
+    return net
+
+
+def _under_test(kernel: Kernel) -> bool:
+    """Does a neuron loop of ``kernel`` run inside an ``if``?"""
+    return any(isinstance(n, If) and any(isinstance(lp, Loop) and lp.axis is not None
+                                         and lp.axis.dim >= 0 for lp in walk(n.then))
+               for n in walk(kernel.body))
+
+
+@pytest.mark.parametrize("level,threads", [(1, 1), (2, 2), (3, 2)])
+def test_unswitching_runs_an_items_tests_once_and_computes_the_same(level, threads):
+    base, opt = _gated(0, 1), _gated(level, threads)
+    plan = next(p for p in opt.program.plans if p.ensemble.name == "gated")
+    assert _under_test(plan.kernels["forward"]) and _under_test(plan.kernels["backward"])
+    np.testing.assert_allclose(opt.value("gated"), base.value("gated"), rtol=1e-6)
+    np.testing.assert_allclose(opt.grad("x"), base.grad("x"), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(opt.params[0].grad, base.params[0].grad, rtol=1e-6, atol=1e-6)
+
+
+def test_unswitching_leaves_index_guards_to_the_window_passes():
+    """A padded convolution's guards test loop indices alone: its loops keep their order."""
+    net = Net(1, opt_level=1)
+    x = MemoryDataLayer(net, "x", (2, 5, 5))
+    ConvolutionLayer("conv", net, x, 3, 3, 1, 1)
+    net.init()
+    plan = next(p for p in net.program.plans if p.ensemble.name == "conv")
+    assert not any(_under_test(k) for k in plan.kernels.values())

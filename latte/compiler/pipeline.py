@@ -47,6 +47,7 @@ from latte.compiler.passes import (
 )
 from latte.compiler.passes.pack import pack_weights
 from latte.compiler.passes.time_hoist import hoist_param_grads
+from latte.compiler.passes.unswitch import unswitch_neuron_loops
 from latte.compiler.passes.winograd import winograd
 from latte.compiler.printer import format_ir
 from latte.compiler.program import AFTER_LOOP, BEFORE_LOOP, EnsemblePlan, Program, Segment
@@ -250,6 +251,8 @@ STEPS = (
     Step("join_in_place", 0, _join_in_place, per_kernel=False),
     # data ensembles need no gradient
     Step("prune_dead_gradients", 0, lambda c, k: prune_dead_gradients(k, c.dead)),
+    # tests every neuron of an item makes alike run once per item, the neurons under them
+    Step("unswitch", 1, lambda c, k: unswitch_neuron_loops(k)),
     # neuron bodies split into perfect nests
     Step("distribute_loops", 1, lambda c, k: distribute_loops(k)),
     # a time loop's parameter gradients: one nest over all steps, after the loop

@@ -48,9 +48,9 @@ def _block(block: Block) -> Block:
 
 def _loop(loop: Loop) -> list[Loop]:
     body = _block(loop.body)
-    groups = _groups(body.stmts)
-    if len(groups) > 1 and _independent(groups, loop):
-        return [replace(loop, body=_block(Block(tuple(g)))) for g in groups]
+    found = groups(body.stmts)
+    if len(found) > 1 and _independent(found, loop):
+        return [replace(loop, body=_block(Block(tuple(g)))) for g in found]
     return [replace(loop, body=body)]
 
 
@@ -59,12 +59,13 @@ def _locals(stmt) -> set[str]:
     return {n.name for n in walk(stmt) if isinstance(n, Var)} - loop_vars
 
 
-def _groups(stmts) -> list[list]:
-    """Statement groups in order; statements linked by a local scalar share a group."""
+def groups(stmts, unlinked: frozenset[str] = frozenset()) -> list[list]:
+    """Statement groups in order; statements linked by a local scalar (other than
+    ``unlinked``) share a group."""
     groups: list[list] = []
     names: list[set[str]] = []
     for s in stmts:
-        mine = _locals(s)
+        mine = _locals(s) - unlinked
         linked = [i for i, n in enumerate(names) if n & mine]
         if linked:  # merge everything from the first linked group on, keeping order
             first = linked[0]
@@ -85,7 +86,7 @@ class _Use:
     accumulated_only: bool = True   # every store is a ``+=``
 
 
-def _uses(group) -> dict[Buffer, _Use]:
+def uses(group) -> dict[Buffer, _Use]:
     uses: dict[Buffer, _Use] = {}
     for s in group:
         for n in walk(s):
@@ -99,7 +100,7 @@ def _uses(group) -> dict[Buffer, _Use]:
     return uses
 
 
-def _injective(index: tuple, view: tuple, loop: Loop, extents: dict[str, int]) -> bool:
+def injective(index: tuple, view: tuple, loop: Loop, extents: dict[str, int]) -> bool:
     """Do two different iterations of ``loop`` (whatever the loops inside it, of
     ``extents``, do) reach different elements through ``index``? Sufficient: the offset
     depends on ``loop.var`` and, sorted by size, each stride exceeds the span of the
@@ -118,15 +119,15 @@ def _injective(index: tuple, view: tuple, loop: Loop, extents: dict[str, int]) -
 def _independent(groups, loop: Loop) -> bool:
     extents = {n.var: n.extent for n in walk(loop) if isinstance(n, Loop)}
     written = [{r.buffer for s in g for r in written_refs(s)} for g in groups]
-    uses = [_uses(g) for g in groups]
+    used = [uses(g) for g in groups]
     for i in range(len(groups)):
         for j in range(len(groups)):
             if i == j:
                 continue
-            for buf in written[i] & uses[j].keys():
-                a, b = uses[i][buf], uses[j][buf]
+            for buf in written[i] & used[j].keys():
+                a, b = used[i][buf], used[j][buf]
                 points = a.indices | b.indices
-                same_point = len(points) == 1 and _injective(*next(iter(points)), loop, extents)
+                same_point = len(points) == 1 and injective(*next(iter(points)), loop, extents)
                 commutative = (a.accumulated_only and b.accumulated_only
                                and not a.loaded and not b.loaded)
                 if not (same_point or commutative):
