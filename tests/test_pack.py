@@ -14,7 +14,7 @@ from latte import Net
 from latte.compiler import Segment, TimeSteps
 from latte.compiler.codegen import ModuleBuilder
 from latte.compiler.explain import explain_program
-from latte.compiler.ir import Affine, Block, Buffer, Gemm, Kernel, walk
+from latte.compiler.ir import Affine, Block, Buffer, Gemm, Kernel, Ref, walk
 from latte.compiler.jit import target
 from latte.compiler.microkernel import MAX_ROWS, tile
 from latte.stdlib import FullyConnectedLayer, LSTMLayer, MemoryDataLayer, SoftmaxLossLayer
@@ -67,18 +67,23 @@ def test_tiled_gemm_matches_numpy(m, n, k, rows, cols, lanes, trans_a, alpha, be
 
 
 @pytest.mark.parametrize("bits,registers", [(256, 16), (512, 32), (128, 16)])
-@pytest.mark.parametrize("m,n", [(1, 10), (5, 3), (13, 150), (32, 1024), (32, 256),
-                                 (256, 512), (7, 2048)])
-def test_tile_fits_the_register_file(bits, registers, m, n):
-    lanes = bits // 32
-    rows, cols = tile(m, n, lanes, registers)
+@pytest.mark.parametrize("m,n,k", [(1, 10, 3), (5, 3, 7), (13, 150, 37), (32, 1024, 512),
+                                   (32, 256, 2048), (256, 512, 64), (7, 2048, 100)])
+def test_tile_fits_the_register_file_and_the_cache(bits, registers, m, n, k):
+    lanes, budget = bits // 32, 256 << 10
+    rows, cols = tile(m, n, k, lanes, registers, budget)
     vecs = cols // lanes
     assert cols % lanes == 0 and 1 <= rows <= min(m, MAX_ROWS)
     assert rows * vecs + vecs + 1 <= registers   # accumulators, B's vectors, a broadcast
+    assert 4 * k * cols <= budget
+
+
+def test_no_tile_where_no_panel_fits_the_cache():
+    assert tile(32, 64, 5000, 16, 32, 256 << 10) is None
 
 
 def test_an_lstm_step_gets_whole_tiles_on_avx512():
-    rows, cols = tile(32, 1024, 16, 32)
+    rows, cols = tile(32, 1024, 512, 16, 32, 512 << 10)
     assert 32 % rows == 0 and 1024 % cols == 0 and rows * cols // 16 >= 16
 
 
@@ -127,3 +132,34 @@ def test_recurrent_products_read_weights_packed_before_the_loop(threads):
 def test_latte_pack_0_keeps_blas(monkeypatch):
     monkeypatch.setenv("LATTE_PACK", "0")
     assert not _tiled(_lstm(3, 2))
+
+
+def _fc(level: int, batch: int) -> Net:
+    net = Net(batch, opt_level=level, num_threads=2, seed=6)
+    x = MemoryDataLayer(net, "x", (70,))
+    label = MemoryDataLayer(net, "label", (1,))
+    SoftmaxLossLayer("loss", net, FullyConnectedLayer("fc", net, x, 45), label)
+    net.init()
+    rng = np.random.default_rng(1)
+    net.value("x")[...] = rng.standard_normal(net.value("x").shape)
+    net.value("label")[...] = rng.integers(0, 45, net.value("label").shape)
+    net.forward()
+    net.backward()
+    return net
+
+
+def test_large_products_pack_their_weights_at_the_start_of_the_kernel():
+    """An FC layer at batch 2200 (1100 rows a thread): forward (B read transposed) and input gradient both pack
+    the weights, at the start of their kernels; at batch 128 neither pays."""
+    base, opt = _fc(0, 2200), _fc(3, 2200)
+    plan = next(p for p in opt.program.plans if p.ensemble.name == "fc")
+    for phase in ("forward", "backward"):
+        first = plan.kernels[phase].body.stmts[0]
+        assert any(isinstance(n, Ref) and n.buffer.key[0] == "derived" for n in walk(first))
+        assert any(isinstance(g, Gemm) and g.panel for g in walk(plan.kernels[phase].body))
+    assert_scaled_close(opt.value("fc"), base.value("fc"), 1e-5, "values")
+    assert_scaled_close(opt.grad("x"), base.grad("x"), 1e-5, "input gradient")
+    for p, q in zip(base.params, opt.params):
+        assert_scaled_close(q.grad, p.grad, 1e-5, f"gradient of {p.name}")
+    small = next(p for p in _fc(3, 128).program.plans if p.ensemble.name == "fc")
+    assert not any(isinstance(g, Gemm) and g.panel for k in small.kernels.values() for g in walk(k))

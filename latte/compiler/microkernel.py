@@ -22,24 +22,26 @@ F32, I64 = ir.FloatType(), ir.IntType(64)
 MAX_ROWS = 8   # more rows of A broadcast per step outrun the first-level cache's streams
 
 
-def tile(m: int, n: int, lanes: int, registers: int) -> tuple[int, int]:
-    """``(rows, cols)`` of the register tile for an ``m x n`` product: ``rows * cols / lanes``
-    accumulators, plus the panel's vectors and a broadcast, fit in ``registers``; among
-    those, the least padded work, then the most accumulators (which hide the FMA latency),
-    then the fewest loads per FMA, then the widest panel."""
+def tile(m: int, n: int, k: int, lanes: int, registers: int, panel_bytes: int
+         ) -> tuple[int, int] | None:
+    """``(rows, cols)`` of the register tile for an ``m x n`` product over ``k``:
+    ``rows * cols / lanes`` accumulators, plus the panel's vectors and a broadcast, fit in
+    ``registers``, and a panel (``k x cols`` floats) in ``panel_bytes``; among those, the
+    least padded work, then the most accumulators (which hide the FMA latency), then the
+    fewest loads per FMA, then the widest panel. None if no panel fits."""
     best = None
     for rows in range(1, min(m, MAX_ROWS) + 1):
         for vecs in range(1, 7):
-            if rows * vecs + vecs + 1 > registers:
-                continue
             cols = vecs * lanes
+            if rows * vecs + vecs + 1 > registers or 4 * k * cols > panel_bytes:
+                continue
             padded = -(-m // rows) * rows * -(-n // cols) * cols
             useful = m * n / padded
             full = min(rows * vecs, registers // 2) / (registers // 2)
             key = (round(useful * full, 2), rows * vecs, -(rows + vecs), vecs)
             if best is None or key > best[0]:
                 best = (key, (rows, cols))
-    return best[1]
+    return None if best is None else best[1]
 
 
 def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Function) -> None:

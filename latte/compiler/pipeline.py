@@ -206,19 +206,26 @@ def _localize_recomputed(c: Compilation) -> None:
 
 
 def _pack_weights(c: Compilation) -> None:
-    """A time loop's GEMMs over parameters read them packed, by a kernel run once before
-    the loop (``LATTE_PACK=0``: BLAS at every step)."""
+    """GEMMs over parameters that reuse them enough read them packed: a time loop's once
+    before the loop, the others at the start of their kernel (``LATTE_PACK=0``: BLAS)."""
     if os.environ.get("LATTE_PACK") == "0":
         return
     params = frozenset(c.bufs.field(e, f.name) for e in c.net.ensembles
                        if isinstance(e, Ensemble) for f in e.params)
+    l2 = cache_sizes()[2]
     for plan in c.plans:
-        if plan.ensemble in c.stepped:
-            for phase in PHASES:
-                kernel, pack = pack_weights(plan.kernels[phase], c.bufs, params,
-                                            vector_registers())
-                if pack.body.stmts:
-                    plan.kernels[phase], plan.kernels[BEFORE_LOOP[phase]] = kernel, pack
+        stepped = plan.ensemble in c.stepped
+        for phase in PHASES:
+            kernel, packs = pack_weights(plan.kernels[phase], c.bufs, params,
+                                         vector_registers(), l2, stepped)
+            if not packs:
+                continue
+            if stepped:
+                plan.kernels[BEFORE_LOOP[phase]] = Kernel(f"{kernel.name}_pack", Block(tuple(packs)),
+                                                          kernel.ensemble, phase)
+            else:
+                kernel = replace(kernel, body=Block((*packs, *kernel.body.stmts)))
+            plan.kernels[phase] = kernel
 
 
 def _schedule(c: Compilation) -> None:
@@ -274,7 +281,7 @@ STEPS = (
     Step("fuse_nests", 2, lambda c, k: fuse_nests(k)),
     # batch x tiles across threads, private gradients reduced in thread order
     Step("parallelize", 2, lambda c, k: parallelize(k, c.bufs)),
-    # a time loop's GEMMs over parameters: B packed once before the loop, then tiled products
+    # GEMMs over parameters that reuse them: B packed once per pass, then tiled products
     Step("pack_weights", 2, _pack_weights, per_kernel=False),
     Step("localize_recomputed", 3, _localize_recomputed, per_kernel=False),
     Step("schedule", 0, _schedule, per_kernel=False),

@@ -1,17 +1,22 @@
-"""Weights packed once per pass for the GEMMs a time loop repeats.
+"""Weights packed once per pass for the GEMMs that reuse them.
 
-A GEMM in a time loop's kernel runs at every step; where its B operand is a parameter
-(nothing writes it during a pass), every step multiplies by the same block. A BLAS call
-repacks that block each time (an LSTM's 4 MiB recurrent weight, 50 times a pass); here each
-such GEMM gets a derived buffer holding ``op(B)`` packed in panels, ``[ceil(n / cols)][k]
-[cols]`` with the last panel zero-padded, filled by a kernel that runs once before the loop,
-and is marked ``panel`` so that codegen computes it with the register-tiled micro-kernel
-(:mod:`latte.compiler.microkernel`).
+A GEMM whose B operand is a parameter (nothing writes it during a pass) multiplies by the
+same block every time it runs: at every step of a time loop, and by every row of a large
+product. A BLAS call repacks that block at each call (an LSTM's 4 MiB recurrent weight,
+50 times a pass); here such a GEMM gets a derived buffer holding ``op(B)`` packed in panels,
+``[ceil(n / cols)][k][cols]`` with the last panel zero-padded, filled once per pass (before
+the time loop, or at the start of the kernel), and is marked ``panel`` so that codegen
+computes it with the register-tiled micro-kernel (:mod:`latte.compiler.microkernel`).
 
-The packing kernel repeats the loops around the GEMM that move its B block (a product split
+Packing pays (:func:`pays`) where each packed element serves many rows of A: every GEMM in
+a time loop, else products of at least :data:`MIN_ROWS` rows (more when B is read
+transposed, whose packing costs more); and where the tile's panel stays in the L2 cache and
+A is read along its rows (a transposed A only in short products).
+
+The packing nest repeats the loops around the GEMM that move its B block (a product split
 across threads packs one block per thread, in parallel as the product runs) and the guards
-on them; a GEMM under a guard on anything else is left to BLAS. Nothing looks at layer
-types or names.
+on them; GEMMs that read the same block (a product split into a whole and a last slice)
+share one packed copy. Nothing looks at layer types or names.
 """
 
 from __future__ import annotations
@@ -35,22 +40,29 @@ from latte.compiler.ir import (
 from latte.compiler.microkernel import tile
 from latte.compiler.passes.data_copy import variables
 
+# rows of A a packed element must serve outside a time loop, and when packing reads B across
+# its rows: an MLP's 1024x1024 weights packed for 128 rows cost more than the tiles gain
+MIN_ROWS, MIN_ROWS_TRANSPOSED = 512, 1024
 
-def pack_weights(kernel: Kernel, bufs, params: frozenset[Buffer], vector: tuple[int, int]
-                 ) -> tuple[Kernel, Kernel]:
-    """``kernel`` with each GEMM whose B operand is in ``params`` reading a packed copy,
-    and the kernel that packs them (empty if there is none); ``vector``: the host's vector
-    registers, ``(bits, count)``."""
-    lanes, registers = vector[0] // 32, vector[1]
+
+def pack_weights(kernel: Kernel, bufs, params: frozenset[Buffer], vector: tuple[int, int],
+                 l2: int, stepped: bool) -> tuple[Kernel, list]:
+    """``kernel`` with each GEMM whose B operand is in ``params`` reading a packed copy where
+    that pays, and the nests that pack them; ``vector``: the host's vector registers,
+    ``(bits, count)``; ``l2``: bytes of its L2 cache; ``stepped``: ``kernel`` runs at every
+    step of a time loop."""
     packs: list = []
+    known: dict = {}   # what a packed copy holds -> the copy (one per B block, not per GEMM)
 
     def visit(s, around: tuple):
         if isinstance(s, Gemm) and s.b_buf in params and not s.panel:
-            packed = _packed(s, around, kernel.name, len(packs), bufs, lanes, registers)
+            packed = _packed(s, around, f"{kernel.name}.packed{len(packs)}", bufs, vector, l2,
+                             stepped, known)
             if packed is None:
                 return s
             s, pack = packed
-            packs.append(pack)
+            if pack is not None:
+                packs.append(pack)
             return s
         if isinstance(s, Block):
             return Block(tuple(visit(c, around) for c in s.stmts))
@@ -61,30 +73,47 @@ def pack_weights(kernel: Kernel, bufs, params: frozenset[Buffer], vector: tuple[
                            orelse=visit(s.orelse, (*around, (s, False))))
         return s
 
-    body = visit(kernel.body, ())
-    return (replace(kernel, body=body),
-            Kernel(f"{kernel.name}_pack", Block(tuple(packs)), kernel.ensemble, kernel.phase))
+    return replace(kernel, body=visit(kernel.body, ())), packs
 
 
-def _packed(g: Gemm, around: tuple, name: str, index: int, bufs, lanes: int, registers: int):
-    """``g`` reading its packed copy, and the nest filling that copy; None if a guard around
-    ``g`` tests a variable that does not move its B block."""
+def pays(g: Gemm, stepped: bool) -> bool:
+    """Does packing ``g``'s B once per pass pay (see the module's docstring)?"""
+    if g.trans_a and g.m > MIN_ROWS:
+        return False
+    return stepped or g.m >= (MIN_ROWS_TRANSPOSED if g.trans_b else MIN_ROWS)
+
+
+def _packed(g: Gemm, around: tuple, name: str, bufs, vector: tuple[int, int], l2: int,
+            stepped: bool, known: dict):
+    """``g`` reading its packed copy, and the nest filling that copy (None if ``known``
+    holds one alike); None where packing does not pay or no tile keeps its panel in half
+    the L2 cache. Guards around ``g`` on what does not move its B block are left out of the
+    nest: the block is the same whichever way they go."""
+    shape = tile(g.m, g.n, g.k, vector[0] // 32, vector[1], l2 // 2)
+    if shape is None or not pays(g, stepped):
+        return None
     moving = g.b_off.vars
     loops = [s for s in around if isinstance(s, Loop) and s.var in moving]
     kept = {lp.var for lp in loops}
-    guards = [s for s in around if not isinstance(s, Loop)]
-    if any(not variables(cond.cond) <= kept for cond, _ in guards):
-        return None
-    rows, cols = tile(g.m, g.n, lanes, registers)
+    around = [s for s in around if (s.var in kept if isinstance(s, Loop)
+                                    else variables(s[0].cond) <= kept)]
+    rows, cols = shape
+    lanes = vector[0] // 32
     panels = -(-g.n // cols)
-    copies = math.prod(lp.extent for lp in loops)
-    packed = bufs.derived((name, index, "packed"), f"{name}.packed{index}",
-                          (copies, panels, g.k, cols))
     copy = Affine()
     for lp in loops:   # which copy: the moving loops' iteration, row-major
         copy = copy * lp.extent + Affine.of(lp.var) - lp.start
+    key = (g.b_buf, g.b_off, g.ldb, g.trans_b, g.n, g.k, cols,
+           tuple(s if isinstance(s, Loop) else (s[0].cond, s[1]) for s in around))
+    packed = known.get(key)
+    fresh = packed is None
+    if fresh:
+        packed = known[key] = bufs.derived((name, "packed"), name,
+                                           (math.prod(lp.extent for lp in loops), panels, g.k, cols))
     gemm = replace(g, b_buf=packed, b_off=copy * (panels * g.k * cols), ldb=cols,
                    trans_b=False, panel=(rows, cols, lanes))
+    if not fresh:
+        return gemm, None
 
     p, k, j = "_pack_p", "_pack_k", "_pack_j"
 
@@ -111,10 +140,9 @@ def _packed(g: Gemm, around: tuple, name: str, index: int, bufs, lanes: int, reg
     if tail:
         nest.append(fill(whole, 1, tail))
     stmt = Block(tuple(nest))
-    for s in reversed(around):   # the moving loops and the guards, innermost first
+    for s in reversed(around):   # the moving loops and the guards on them, innermost first
         if isinstance(s, Loop):
-            if s.var in kept:
-                stmt = Block((replace(s, body=stmt),))
+            stmt = Block((replace(s, body=stmt),))
         else:
             guard, then = s
             stmt = Block((If(guard.cond, stmt) if then else If(guard.cond, Block(()), stmt),))
