@@ -149,8 +149,9 @@ def _fc(level: int, batch: int) -> Net:
 
 
 def test_large_products_pack_their_weights_at_the_start_of_the_kernel():
-    """An FC layer at batch 2200 (1100 rows a thread): forward (B read transposed) and input gradient both pack
-    the weights, at the start of their kernels; at batch 128 neither pays."""
+    """An FC layer at batch 2200 (1100 rows a thread): forward (B read transposed) and
+    input gradient both pack the weights, at the start of their kernels; at batch 128
+    neither pays."""
     base, opt = _fc(0, 2200), _fc(3, 2200)
     plan = next(p for p in opt.program.plans if p.ensemble.name == "fc")
     for phase in ("forward", "backward"):
