@@ -113,7 +113,9 @@ def test_recurrent_products_read_weights_packed_before_the_loop(threads):
     packs = {k.name for s in opt.program.forward + opt.program.backward if isinstance(s, Segment)
              for k in s.kernels if k.name.endswith("_pack")}
     assert packs == {"lstm.hh.forward_pack", "lstm.hh.backward_pack"}
-    assert "tiled_gemm(" in explain_program(opt.program)
+    text = explain_program(opt.program)
+    assert "tiled_gemm(" in text and "packed once before the loop, the step's GEMMs over them " \
+        "tiled: lstm.hh (forward, backward)" in text
     for p, q in zip(base.params, opt.params, strict=True):
         q.value[...] = p.value
     rng = np.random.default_rng(0)

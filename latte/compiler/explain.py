@@ -9,7 +9,7 @@ from latte.compiler.ir import Gemm, accesses, walk
 from latte.compiler.passes.tiling import FLOAT_BYTES
 from latte.compiler.planner import brainslug, occam
 from latte.compiler.printer import fmt_stmt, format_ir
-from latte.compiler.program import AFTER_LOOP
+from latte.compiler.program import AFTER_LOOP, BEFORE_LOOP
 from latte.compiler.synthesis import neuron_info
 from latte.lang import Phase, defines_backward
 
@@ -132,6 +132,11 @@ def _time(program) -> list[str]:
     if after:
         out.append(f"  parameter gradients once after the backward loop, over all "
                    f"{bufs.batch_size} items: {', '.join(after)}")
+    packed = [f"{p.ensemble.name} ({', '.join(ph for ph, k in BEFORE_LOOP.items() if k in p.kernels)})"
+              for p in program.plans if any(k in p.kernels for k in BEFORE_LOOP.values())]
+    if packed:
+        out.append(f"  parameters packed once before the loop, the step's GEMMs over them tiled: "
+                   f"{', '.join(packed)}")
     return out
 
 
@@ -182,6 +187,8 @@ def explain_program(program) -> str:
             out.extend("    " + line for line in format_neuron(body).splitlines())
         for phase, kernel in plan.kernels.items():
             gemms = [n for n in walk(kernel.body) if isinstance(n, Gemm)]
+            if phase in BEFORE_LOOP.values():   # packing nests
+                continue
             out.append(f"  {phase}: {len(gemms)} GEMM match(es)")
             if any(g.a_buf.key[0] == "derived" for g in gemms):
                 out.append("    Winograd F(2x2, 3x3): the 3x3 window as 16 GEMMs over transformed "
