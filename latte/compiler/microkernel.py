@@ -5,8 +5,8 @@ register-tiled outer products in LLVM vector IR instead of a BLAS call.
 in registers over the whole ``k`` loop, and each step loads ``cols / lanes`` vectors of the
 panel (contiguous: the packing put them there) and broadcasts ``rows`` elements of A. With
 B packed once and reused by many products (a recurrent weight at every time step), no call
-repacks it, which is what BLAS does each time: OpenBLAS runs an LSTM step's 32-row
-products at two thirds of its peak, this kernel at its peak.
+repacks it, which is what BLAS does each time: on an AMD EPYC (znver4) core OpenBLAS runs
+an LSTM step's 32-row products at about 77 GFLOP/s, this kernel at about 110.
 
 The tile is chosen for the host's vector registers (:func:`tile`); a last partial panel of
 ``n`` is computed whole over the zero padding and stored lane by lane, a last partial group

@@ -43,6 +43,7 @@ from latte.compiler.passes.data_copy import variables
 # rows of A a packed element must serve outside a time loop, and when packing reads B across
 # its rows: an MLP's 1024x1024 weights packed for 128 rows cost more than the tiles gain
 MIN_ROWS, MIN_ROWS_TRANSPOSED = 512, 1024
+TRANSPOSE = 16   # rows of B a transposing pack reads at a time
 
 
 def pack_weights(kernel: Kernel, bufs, params: frozenset[Buffer], vector: tuple[int, int],
@@ -115,24 +116,39 @@ def _packed(g: Gemm, around: tuple, name: str, bufs, vector: tuple[int, int], l2
     if not fresh:
         return gemm, None
 
-    p, k, j = "_pack_p", "_pack_k", "_pack_j"
+    p, k, kb, j = "_pack_p", "_pack_k", "_pack_kb", "_pack_j"
 
     def fill(first: int, count: int, width: int) -> Loop:
         """Panels ``first .. first + count - 1``, their first ``width`` columns from B."""
         col = Affine.build({p: cols, j: 1})
-        at = g.b_off + (col * g.ldb + Affine.of(k) if g.trans_b else Affine.of(k, g.ldb) + col)
-        source = Load(Ref(g.b_buf, (at,), (g.b_buf.size,)))
 
-        def columns(lo: int, hi: int, value) -> Loop:   # reading B along its rows
-            store = Block((Assign(Ref(packed, (copy, Affine.of(p), Affine.of(k), Affine.of(j)),
-                                      packed.shape), value),))
-            if g.trans_b:
-                return Loop(j, lo, hi, Block((Loop(k, 0, g.k, store),)))
-            return Loop(k, 0, g.k, Block((Loop(j, lo, hi, store),)))
+        def store(row: Affine, value) -> Block:
+            return Block((Assign(Ref(packed, (copy, Affine.of(p), row, Affine.of(j)), packed.shape),
+                                 value),))
 
-        inner = [columns(0, width, source)]
+        def source(row: Affine) -> Load:
+            at = g.b_off + (col * g.ldb + row if g.trans_b else row * g.ldb + col)
+            return Load(Ref(g.b_buf, (at,), (g.b_buf.size,)))
+
+        def columns(lo: int, hi: int, zero: bool) -> list:
+            """Columns ``lo .. hi - 1`` of the panels: B's, or zeros. B read transposed
+            goes in blocks of TRANSPOSE rows, which its reads and the packed rows' writes
+            both keep in the first-level cache."""
+            value = (lambda row: Const(0.0)) if zero else source  # noqa: E731
+            if not g.trans_b:
+                return [Loop(k, 0, g.k, Block((Loop(j, lo, hi, store(Affine.of(k), value(Affine.of(k)))),)))]
+            blocks, rest = divmod(g.k, TRANSPOSE)
+            row = Affine.build({kb: TRANSPOSE, k: 1})
+            out = [Loop(kb, 0, blocks, Block((Loop(j, lo, hi, Block((
+                Loop(k, 0, TRANSPOSE, store(row, value(row))),))),)))] if blocks else []
+            if rest:
+                out.append(Loop(j, lo, hi, Block((Loop(k, blocks * TRANSPOSE, g.k,
+                                                       store(Affine.of(k), value(Affine.of(k)))),))))
+            return out
+
+        inner = columns(0, width, False)
         if width < cols:
-            inner.append(columns(width, cols, Const(0.0)))
+            inner += columns(width, cols, True)
         return Loop(p, first, first + count, Block(tuple(inner)))
 
     whole, tail = divmod(g.n, cols)
