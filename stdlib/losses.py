@@ -53,9 +53,11 @@ class SoftmaxLoss(NormalizationEnsemble):
         x = inputs[0].reshape(inputs[0].shape[0], -1)[:valid].astype(np.float64)
         idx = _labels(inputs[1], x.shape[1], f"loss {self.name!r}", valid)
         x = x - x.max(axis=1, keepdims=True)
-        logsum = np.log(np.exp(x).sum(axis=1))
+        e = np.exp(x)   # once: the probabilities are its rows over their sums
+        total = e.sum(axis=1)
+        logsum = np.log(total)
         nll = logsum - x[np.arange(valid), idx]
-        self.prob = np.exp(x - logsum[:, None])
+        self.prob = e / total[:, None]
         value[...] = 0.0
         value[:valid, 0] = nll
         hits = (x.argmax(axis=1) == idx).sum()

@@ -29,7 +29,7 @@ from latte.compiler.fusion import (
     test_groups,
 )
 from latte.compiler.graph_checks import check_graph
-from latte.compiler.ir import Block, Kernel, Ref, walk
+from latte.compiler.ir import Block, Kernel, Ref, accesses, walk
 from latte.compiler.jit import target
 from latte.compiler.joins import join_in_place
 from latte.compiler.machine import cache_sizes, vector_registers
@@ -166,9 +166,15 @@ def _fold_zero_init(c: Compilation, kernel: Kernel) -> Kernel:
     if kernel.phase != "backward":
         return fold_zero_init(kernel)[0]
     ens = kernel.ensemble
-    if ens in c.stepped:   # its parameters' gradients sum over the steps
-        return kernel
-    zeroed = frozenset(c.bufs.field_grad(ens, f.name) for f in ens.params) | c.first_touch[ens]
+    grads = frozenset(c.bufs.field_grad(ens, f.name) for f in ens.params)
+    if ens in c.stepped:   # its parameters' gradients sum over the steps: only the nests run
+        # once after the loop may overwrite them, those no step of the loop touches
+        if kernel is not next(p for p in c.plans if p.ensemble is ens).kernels.get(AFTER_LOOP):
+            return kernel
+        stepped = [p.kernels["backward"] for p in c.plans if p.ensemble in c.stepped]
+        zeroed = grads - {a.buffer for k in stepped for a in accesses(k.body)}
+    else:
+        zeroed = grads | c.first_touch[ens]
     kernel, folded = fold_zero_init(kernel, zeroed)
     c.pre_zeroed |= folded
     return kernel
