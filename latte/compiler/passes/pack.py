@@ -9,9 +9,10 @@ the time loop, or at the start of the kernel), and is marked ``panel`` so that c
 computes it with the register-tiled micro-kernel (:mod:`latte.compiler.microkernel`).
 
 Packing pays (:func:`pays`) where each packed element serves many rows of A: every GEMM in
-a time loop, else products of at least :data:`MIN_ROWS` rows (more when B is read
-transposed, whose packing costs more); and where the tile's panel stays in the L2 cache and
-A is read along its rows (a transposed A only in short products).
+a time loop, else at least :data:`MIN_ROWS` rows in all (a product split across threads by
+rows counts every slice; more rows when B is read transposed, whose packing costs more);
+and where the tile's panel stays in the L2 cache and A is read along its rows (a transposed
+A only in short products).
 
 The packing nest repeats the loops around the GEMM that move its B block (a product split
 across threads packs one block per thread, in parallel as the product runs) and the guards
@@ -77,11 +78,12 @@ def pack_weights(kernel: Kernel, bufs, params: frozenset[Buffer], vector: tuple[
     return replace(kernel, body=visit(kernel.body, ())), packs
 
 
-def pays(g: Gemm, stepped: bool) -> bool:
-    """Does packing ``g``'s B once per pass pay (see the module's docstring)?"""
+def pays(g: Gemm, rows: int, stepped: bool) -> bool:
+    """Does packing ``g``'s B once per pass pay, for ``rows`` rows of A in all (``g``'s, times
+    the iterations of the loops around it that do not move B)? See the module's docstring."""
     if g.trans_a and g.m > MIN_ROWS:
         return False
-    return stepped or g.m >= (MIN_ROWS_TRANSPOSED if g.trans_b else MIN_ROWS)
+    return stepped or rows >= (MIN_ROWS_TRANSPOSED if g.trans_b else MIN_ROWS)
 
 
 def _packed(g: Gemm, around: tuple, name: str, bufs, vector: tuple[int, int], l2: int,
@@ -90,10 +92,11 @@ def _packed(g: Gemm, around: tuple, name: str, bufs, vector: tuple[int, int], l2
     holds one alike); None where packing does not pay or no tile keeps its panel in half
     the L2 cache. Guards around ``g`` on what does not move its B block are left out of the
     nest: the block is the same whichever way they go."""
-    shape = tile(g.m, g.n, g.k, vector[0] // 32, vector[1], l2 // 2)
-    if shape is None or not pays(g, stepped):
-        return None
     moving = g.b_off.vars
+    shape = tile(g.m, g.n, g.k, vector[0] // 32, vector[1], l2 // 2)
+    rows = g.m * math.prod(s.extent for s in around if isinstance(s, Loop) and s.var not in moving)
+    if shape is None or not pays(g, rows, stepped):
+        return None
     loops = [s for s in around if isinstance(s, Loop) and s.var in moving]
     kept = {lp.var for lp in loops}
     around = [s for s in around if (s.var in kept if isinstance(s, Loop)
