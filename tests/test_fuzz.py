@@ -88,6 +88,11 @@ ROUNDING = {
 # which the two nudged references break two ways): they run at level 0 alone, against the
 # reference interpreter, and must pass (seed -> why)
 PRECISION = {
+    31872: "`t2 = a0 - a0; t3 = a0 * t2; t4 = t3 + a1` is a1 in float64 and at level 0; at O3 "
+           "the `reassoc contract` flags let LLVM form a fused multiply-add that keeps a0 * a0's "
+           "rounding error (5.3e-10 for one item, where a1 is 0), and a later `if a2 > 0.0` over "
+           "that value takes the other branch (0.84 vs 8e-10); found by new seeds "
+           "(31600..31899) in session 10, failing on cbc79d9 alike",
     4794: "a max pool over a neuron whose values tie exactly (every neuron of a channel "
           "computes the same 6-term dot product); the `reassoc` flag lets LLVM's O3 sum it "
           "in another order for some neurons (1 ulp: 5.276105 vs 5.2761045, the float64 "
