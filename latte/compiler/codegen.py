@@ -410,7 +410,7 @@ class _KernelEmitter:
             vec = ir.VectorType(F32, g.panel[2])
             fma = self.mb.declare(f"llvm.fma.v{vec.count}f32", vec, [vec] * 3)
             microkernel.emit(self.b, g, ptr(g.a_buf, g.a_off), ptr(g.b_buf, g.b_off),
-                             ptr(g.c_buf, g.c_off), fma)
+                             ptr(g.c_buf, g.c_off), fma, self.counted)
             return
         c = lambda x: ir.Constant(I32, int(x))  # noqa: E731
         alpha, beta = ir.Constant(F32, g.alpha), ir.Constant(F32, g.beta)

@@ -44,10 +44,11 @@ def tile(m: int, n: int, k: int, lanes: int, registers: int, panel_bytes: int
     return None if best is None else best[1]
 
 
-def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Function) -> None:
+def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Function,
+         counted) -> None:
     """The product ``g`` (a :class:`~latte.compiler.ir.Gemm` with a ``panel``), with ``a``,
     ``bp`` and ``c`` pointing at its A, packed B and C blocks; ``fma``: ``llvm.fma`` on
-    vectors of ``g.panel[2]`` floats."""
+    vectors of ``g.panel[2]`` floats; ``counted(name, lo, hi, body)``: codegen's loop."""
     rows, cols, lanes = g.panel
     full, tail = divmod(g.n, cols)
     panel_size = g.k * cols
@@ -56,8 +57,8 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
         def one(p):
             at = b.add(b.mul(p, _i64(panel_size)), _i64(first * panel_size))
             col = b.add(b.mul(p, _i64(cols)), _i64(first * cols))
-            _row_tiles(b, g, a, b.gep(bp, [at]), c, col, width, fma)
-        _counted(b, count, one)
+            _row_tiles(b, g, a, b.gep(bp, [at]), c, col, width, fma, counted)
+        counted("mk.panel", _i64(0), _i64(count), one)
 
     if full:
         panels(full, 0, cols)
@@ -65,13 +66,13 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
         panels(1, full, tail)
 
 
-def _row_tiles(b, g, a, panel, c, col, width: int, fma) -> None:
+def _row_tiles(b, g, a, panel, c, col, width: int, fma, counted) -> None:
     """Every row of C over the ``width`` columns from ``col``, ``rows`` at a time."""
     rows = g.panel[0]
     whole, rest = divmod(g.m, rows)
     if whole:
-        _counted(b, whole, lambda t: _tile(b, g, a, panel, c, b.mul(t, _i64(rows)), col,
-                                           rows, width, fma))
+        counted("mk.rows", _i64(0), _i64(whole),
+                lambda t: _tile(b, g, a, panel, c, b.mul(t, _i64(rows)), col, rows, width, fma))
     if rest:
         _tile(b, g, a, panel, c, _i64(whole * rows), col, rest, width, fma)
 
@@ -139,20 +140,6 @@ def _splat(b, x: ir.Value, vec: ir.VectorType) -> ir.Value:
     one = b.insert_element(ir.Constant(vec, ir.Undefined), x, _i64(0))
     return b.shuffle_vector(one, ir.Constant(vec, ir.Undefined),
                             ir.Constant(ir.VectorType(ir.IntType(32), vec.count), None))
-
-
-def _counted(b, count: int, body) -> None:
-    """``for i in range(count): body(i)`` (``count`` >= 1)."""
-    pre, loop, done = b.block, b.append_basic_block("mk.loop"), b.append_basic_block("mk.next")
-    b.branch(loop)
-    b.position_at_end(loop)
-    i = b.phi(I64)
-    i.add_incoming(_i64(0), pre)
-    body(i)
-    nxt = b.add(i, _i64(1))
-    i.add_incoming(nxt, b.block)
-    b.cbranch(b.icmp_signed("<", nxt, _i64(count)), loop, done)
-    b.position_at_end(done)
 
 
 def _i64(x: int) -> ir.Constant:

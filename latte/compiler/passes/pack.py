@@ -39,7 +39,7 @@ from latte.compiler.ir import (
     Ref,
 )
 from latte.compiler.microkernel import tile
-from latte.compiler.passes.data_copy import variables
+from latte.compiler.passes.data_copy import nest, variables
 
 # rows of A a packed element must serve outside a time loop, and when packing reads B across
 # its rows: an MLP's 1024x1024 weights packed for 128 rows cost more than the tiles gain
@@ -94,8 +94,8 @@ def _packed(g: Gemm, around: tuple, name: str, bufs, vector: tuple[int, int], l2
     nest: the block is the same whichever way they go."""
     moving = g.b_off.vars
     shape = tile(g.m, g.n, g.k, vector[0] // 32, vector[1], l2 // 2)
-    rows = g.m * math.prod(s.extent for s in around if isinstance(s, Loop) and s.var not in moving)
-    if shape is None or not pays(g, rows, stepped):
+    served = g.m * math.prod(s.extent for s in around if isinstance(s, Loop) and s.var not in moving)
+    if shape is None or not pays(g, served, stepped):
         return None
     loops = [s for s in around if isinstance(s, Loop) and s.var in moving]
     kept = {lp.var for lp in loops}
@@ -120,45 +120,34 @@ def _packed(g: Gemm, around: tuple, name: str, bufs, vector: tuple[int, int], l2
         return gemm, None
 
     p, k, kb, j = "_pack_p", "_pack_k", "_pack_kb", "_pack_j"
+    col = Affine.build({p: cols, j: 1})
+
+    def store(row: Affine, zero: bool) -> Assign:
+        """``packed[copy, p, row, j]`` = ``op(B)[row, col]``, or 0 (the padding)."""
+        at = g.b_off + (col * g.ldb + row if g.trans_b else row * g.ldb + col)
+        value = Const(0.0) if zero else Load(Ref(g.b_buf, (at,), (g.b_buf.size,)))
+        return Assign(Ref(packed, (copy, Affine.of(p), row, Affine.of(j)), packed.shape), value)
+
+    def columns(lo: int, hi: int, zero: bool) -> list:
+        """Columns ``lo .. hi - 1`` of the panels. B read transposed goes in blocks of
+        TRANSPOSE rows, which its reads and the packed rows' writes both keep in L1."""
+        if not g.trans_b:
+            return [nest([_loop(k, 0, g.k), _loop(j, lo, hi)], store(Affine.of(k), zero))]
+        blocks, rest = divmod(g.k, TRANSPOSE)
+        out = [nest([_loop(kb, 0, blocks), _loop(j, lo, hi), _loop(k, 0, TRANSPOSE)],
+                    store(Affine.build({kb: TRANSPOSE, k: 1}), zero))] if blocks else []
+        if rest:
+            out.append(nest([_loop(j, lo, hi), _loop(k, blocks * TRANSPOSE, g.k)],
+                            store(Affine.of(k), zero)))
+        return out
 
     def fill(first: int, count: int, width: int) -> Loop:
-        """Panels ``first .. first + count - 1``, their first ``width`` columns from B."""
-        col = Affine.build({p: cols, j: 1})
-
-        def store(row: Affine, value) -> Block:
-            return Block((Assign(Ref(packed, (copy, Affine.of(p), row, Affine.of(j)), packed.shape),
-                                 value),))
-
-        def source(row: Affine) -> Load:
-            at = g.b_off + (col * g.ldb + row if g.trans_b else row * g.ldb + col)
-            return Load(Ref(g.b_buf, (at,), (g.b_buf.size,)))
-
-        def columns(lo: int, hi: int, zero: bool) -> list:
-            """Columns ``lo .. hi - 1`` of the panels: B's, or zeros. B read transposed
-            goes in blocks of TRANSPOSE rows, which its reads and the packed rows' writes
-            both keep in the first-level cache."""
-            value = (lambda row: Const(0.0)) if zero else source  # noqa: E731
-            if not g.trans_b:
-                return [Loop(k, 0, g.k, Block((Loop(j, lo, hi, store(Affine.of(k), value(Affine.of(k)))),)))]
-            blocks, rest = divmod(g.k, TRANSPOSE)
-            row = Affine.build({kb: TRANSPOSE, k: 1})
-            out = [Loop(kb, 0, blocks, Block((Loop(j, lo, hi, Block((
-                Loop(k, 0, TRANSPOSE, store(row, value(row))),))),)))] if blocks else []
-            if rest:
-                out.append(Loop(j, lo, hi, Block((Loop(k, blocks * TRANSPOSE, g.k,
-                                                       store(Affine.of(k), value(Affine.of(k)))),))))
-            return out
-
-        inner = columns(0, width, False)
-        if width < cols:
-            inner += columns(width, cols, True)
+        """Panels ``first .. first + count - 1``: their first ``width`` columns from B."""
+        inner = columns(0, width, False) + (columns(width, cols, True) if width < cols else [])
         return Loop(p, first, first + count, Block(tuple(inner)))
 
     whole, tail = divmod(g.n, cols)
-    nest = [fill(0, whole, cols)] if whole else []
-    if tail:
-        nest.append(fill(whole, 1, tail))
-    stmt = Block(tuple(nest))
+    stmt = Block(tuple(([fill(0, whole, cols)] if whole else []) + ([fill(whole, 1, tail)] if tail else [])))
     for s in reversed(around):   # the moving loops and the guards on them, innermost first
         if isinstance(s, Loop):
             stmt = Block((replace(s, body=stmt),))
@@ -167,3 +156,6 @@ def _packed(g: Gemm, around: tuple, name: str, bufs, vector: tuple[int, int], l2
             stmt = Block((If(guard.cond, stmt) if then else If(guard.cond, Block(()), stmt),))
     return gemm, (stmt.stmts[0] if len(stmt.stmts) == 1 else stmt)
 
+
+def _loop(var: str, lo: int, hi: int) -> Loop:
+    return Loop(var, lo, hi, Block(()))

@@ -27,6 +27,7 @@ synthesis put them.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 from latte.compiler.ir import Assign, AugAssign, Block, If, Kernel, Load, Loop, Var, walk
@@ -55,9 +56,10 @@ def _stmt(s) -> list:
     if loop.axis is None or loop.axis.dim < 0 or not _independent(loop):
         return [loop]
     fixed = _invariant_locals(loop)
-    if not _tests(loop.body, _moving(loop, fixed), fixed):
+    moving = {loop.var} | ({n.target.name for n in _local_stores(loop)} - fixed)
+    if not _tests(loop.body, moving, fixed):
         return [loop]
-    return _sink(loop, loop.body.stmts, fixed)
+    return _sink(loop, loop.body.stmts, fixed, moving)
 
 
 def _tests(node, moving: set[str], fixed: set[str]) -> bool:
@@ -68,33 +70,35 @@ def _tests(node, moving: set[str], fixed: set[str]) -> bool:
                for n in walk(node))
 
 
-def _moving(loop: Loop, fixed: set[str]) -> set[str]:
-    """What varies with ``loop``'s iteration: its variable and the locals not hoisted."""
-    assigned = {n.target.name for n in walk(loop.body)
-                if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Var)}
-    return {loop.var} | (assigned - fixed)
+def _local_stores(loop: Loop) -> list:
+    """The assignments (and updates) of locals in ``loop``'s body."""
+    return [n for n in walk(loop.body)
+            if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Var)]
+
+
+def _written(loop: Loop) -> set:
+    """The buffers ``loop``'s body stores to."""
+    return {n.target.buffer for n in walk(loop.body)
+            if isinstance(n, (Assign, AugAssign)) and not isinstance(n.target, Var)}
 
 
 def _invariant_locals(loop: Loop) -> set[str]:
     """Locals assigned once, from an expression that is the same in every iteration of
     ``loop``: none of its variable, no load of a buffer the body writes, no local the body
     assigns other than such ones."""
-    written = {n.target.buffer for n in walk(loop.body)
-               if isinstance(n, (Assign, AugAssign)) and not isinstance(n.target, Var)}
-    assigned = [n for n in walk(loop.body)
-                if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Var)]
-    names = [n.target.name for n in assigned]
+    written, assigned = _written(loop), _local_stores(loop)
+    counts = Counter(n.target.name for n in assigned)
     fixed: set[str] = set()
     changed = True
     while changed:
         changed = False
         for n in assigned:
             name = n.target.name
-            if name in fixed or not isinstance(n, Assign) or names.count(name) != 1:
+            if name in fixed or not isinstance(n, Assign) or counts[name] != 1:
                 continue
             free = variables(n.value)
             loads = {x.ref.buffer for x in walk(n.value) if isinstance(x, Load)}
-            if loop.var not in free and not loads & written and not (free & set(names)) - fixed:
+            if loop.var not in free and not loads & written and not (free & counts.keys()) - fixed:
                 fixed.add(name)
                 changed = True
     return fixed
@@ -104,8 +108,7 @@ def _independent(loop: Loop) -> bool:
     """Do different iterations of ``loop`` touch different elements of what it writes (or
     only accumulate into it)?"""
     extents = {n.var: n.extent for n in walk(loop) if isinstance(n, Loop)}
-    written = {n.target.buffer for n in walk(loop.body)
-               if isinstance(n, (Assign, AugAssign)) and not isinstance(n.target, Var)}
+    written = _written(loop)
     for buf, use in uses(loop.body.stmts).items():
         if buf not in written:
             continue
@@ -115,23 +118,25 @@ def _independent(loop: Loop) -> bool:
     return True
 
 
-def _sink(loop: Loop, stmts, fixed: set[str]) -> list:
-    """``for loop: stmts`` with the hoistable assignments first and ``loop`` taken inside
-    the invariant tests and loops; statements that pass a local to each other stay under
-    one copy of ``loop``."""
-    moving = _moving(loop, fixed)
+def _sink(loop: Loop, stmts, fixed: set[str], moving: set[str],
+          outer: frozenset[str] = frozenset()) -> list:
+    """``for loop: stmts`` with the hoistable assignments (``fixed``) first and ``loop``
+    taken inside the tests and loops that do not read what varies with it (``moving``);
+    statements that pass a local to each other stay under one copy of ``loop`` (the
+    variables of the loops ``loop`` went inside, ``outer``, link nothing)."""
     out = []
-    for group in groups(stmts, frozenset(fixed)):
+    for group in groups(stmts, frozenset(fixed) | outer):
         s = group[0]
         if len(group) > 1:
             out.append(replace(loop, body=Block(tuple(group))))
         elif isinstance(s, Assign) and isinstance(s.target, Var) and s.target.name in fixed:
             out.append(s)
         elif isinstance(s, If) and not variables(s.cond) & moving:
-            out.append(replace(s, then=Block(tuple(_sink(loop, s.then.stmts, fixed))),
-                               orelse=Block(tuple(_sink(loop, s.orelse.stmts, fixed)))))
+            inside = lambda b: Block(tuple(_sink(loop, b.stmts, fixed, moving, outer)))  # noqa: E731
+            out.append(replace(s, then=inside(s.then), orelse=inside(s.orelse)))
         elif isinstance(s, Loop) and _tests(s.body, moving, fixed):
-            out.append(replace(s, body=Block(tuple(_sink(loop, s.body.stmts, fixed)))))
+            body = _sink(loop, s.body.stmts, fixed, moving, outer | {s.var})
+            out.append(replace(s, body=Block(tuple(body))))
         else:
             out.append(replace(loop, body=Block((s,))))
     return out
