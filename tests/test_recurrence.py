@@ -12,12 +12,13 @@ from helpers import assert_scaled_close, softmax_xent
 from latte import Ensemble, Net, Neuron, NormalizationEnsemble, Param, add_connections
 from latte.compiler import Segment, TimeSteps
 from latte.compiler.explain import explain_program
-from latte.compiler.ir import Gemm, accesses, walk
+from latte.compiler.ir import Assign, AugAssign, Gemm, Ref, accesses, walk
 from latte.errors import MappingError, ShapeError
 from latte.reference import Reference
 from latte.stdlib import (
     ArrayDataLayer,
     FullyConnectedLayer,
+    LSTMLayer,
     MemoryDataLayer,
     RNNLayer,
     SoftmaxLossLayer,
@@ -226,6 +227,24 @@ def test_recurrent_weight_gradients_are_one_gemm_after_the_loop():
     assert not grads & written and "rnn.grad[t-1]" in {b.name for b in written}
     assert "parameter gradients once after the backward loop, over all 24 items: rnn.hh" in \
         explain_program(net.program)
+
+
+def test_an_lstm_steps_gate_gradients_overwrite_instead_of_being_zeroed():
+    """The cell's two kernels write each projection gradient's step rows once (four gates):
+    they store instead of adding, and backward no longer zeroes those gradients; the cell
+    state's gradient, which a step also adds into at ``[t-1]``, is still zeroed."""
+    net = Net(2, time_steps=3, opt_level=1, num_threads=1)
+    LSTMLayer("lstm", net, MemoryDataLayer(net, "x", (3,)), 5)
+    net.init()
+    (zero,) = [k for s in net.program.backward if isinstance(s, Segment) for k in s.kernels
+               if k.name == "zero_grads"]
+    zeroed = {a.buffer.name for a in accesses(zero.body)}
+    assert "lstm.c.grad" in zeroed and not {"lstm.ih.grad", "lstm.hh.grad"} & zeroed
+    loop = next(s for s in net.program.backward if isinstance(s, TimeSteps))
+    writes = [n for s in loop.steps for k in s.kernels for n in walk(k.body)
+              if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Ref)
+              and n.target.buffer.name == "lstm.ih.grad[t]"]
+    assert len(writes) == 4 and all(isinstance(n, Assign) for n in writes)
 
 
 def test_element_wise_ensembles_of_a_step_run_as_one_loop():

@@ -7,8 +7,20 @@ import pytest
 from helpers import WeightedSumLoss, fill
 
 from latte import Ensemble, Net, Neuron, add_connections
-from latte.compiler.ir import Affine, Assign, AugAssign, Block, Buffer, Const, Kernel, Loop, Ref, walk
-from latte.compiler.passes.zero_init import fold_zero_init, region
+from latte.compiler.ir import (
+    Affine,
+    Assign,
+    AugAssign,
+    Block,
+    Buffer,
+    Const,
+    Kernel,
+    Load,
+    Loop,
+    Ref,
+    walk,
+)
+from latte.compiler.passes.zero_init import fold_across, fold_zero_init, region
 from latte.stdlib import ConvolutionLayer, MemoryDataLayer
 
 
@@ -104,3 +116,31 @@ def test_a_tile_of_stores_folds_together_but_not_two_stores_of_one_element():
     assert kinds(tile([(0, 0), (0, 1), (1, 0), (1, 1)])) == ["Assign"] * 4
     assert kinds(tile([(0, 0), (0, 0)])) == ["Assign", "AugAssign", "AugAssign"]
     assert kinds(tile([(0, 0), (0, 1), (1, 0)])) == ["Assign", "AugAssign", "AugAssign", "AugAssign"]
+
+
+def test_writes_in_several_kernels_overwrite_together_before_the_first_read():
+    """Hand-built IR: two kernels each storing half of every row of a zeroed ``(4, 8)``
+    buffer, under sibling loops alike (an LSTM step's gates), overwrite it together, and a
+    third kernel reading it afterwards is left alone; a read before the second half is
+    written, or a half written twice, keeps the sums."""
+    buf = Buffer(("g", "grad"), "g.grad", (4, 8), batched=True)
+
+    def ref(half):
+        return Ref(buf, (Affine.of("n"), Affine.build({"i": 1}, 4 * half)), buf.shape)
+
+    def write(half):
+        return Kernel(f"w{half}", Block((Loop("n", 0, 4, Block((Loop("i", 0, 4, Block((
+            AugAssign(ref(half), "+", Const(1.0)),))),))),)), None, "backward")
+
+    read = Kernel("r", Block((Loop("n", 0, 4, Block((Loop("i", 0, 4, Block((
+        AugAssign(ref(0), "+", Load(ref(1))),))),))),)), None, "backward")
+
+    def kinds(kernels):
+        out = fold_across(kernels, buf)
+        return None if out is None else [type(n).__name__ for k in out for n in walk(k.body)
+                                         if isinstance(n, (Assign, AugAssign))]
+
+    assert kinds([write(0), write(1), read]) == ["Assign", "Assign", "AugAssign"]
+    assert kinds([write(0), read, write(1)]) is None
+    assert kinds([write(0), write(0), write(1)]) is None
+    assert kinds([write(0)]) is None

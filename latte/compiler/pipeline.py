@@ -49,6 +49,7 @@ from latte.compiler.passes.pack import pack_weights
 from latte.compiler.passes.time_hoist import hoist_param_grads
 from latte.compiler.passes.unswitch import unswitch_neuron_loops
 from latte.compiler.passes.winograd import winograd
+from latte.compiler.passes.zero_init import fold_across
 from latte.compiler.printer import format_ir
 from latte.compiler.program import AFTER_LOOP, BEFORE_LOOP, EnsemblePlan, Program, Segment
 from latte.compiler.step_fusion import fuse_steps
@@ -149,16 +150,26 @@ def _plan_fusion(c: Compilation) -> None:
 
 def _first_touch(c: Compilation) -> None:
     """Per ensemble, the gradient buffers its backward kernel is the first to touch (in
-    backward order): they are still zero when it runs. Host steps (losses) come first. A
-    time loop's kernels touch a gradient at every step: none of them is its first writer."""
-    seen = set(c.dead) | {c.bufs.grad(i) for e in c.net.ensembles
+    backward order): they are still zero when it runs. Host steps (losses) come first. For
+    a time loop's ensemble, the step views (``[t]``) of gradients that nothing touched before
+    the loop and no kernel sees at another step (``[t-1]``): zero when the step starts."""
+    bufs = c.bufs
+    seen = set(c.dead) | {bufs.grad(i) for e in c.net.ensembles
                           if isinstance(e, NormalizationEnsemble) for i in e.inputs}
+    other_steps = {base for base, shift in bufs.views.values() if shift}
+    before_loop: dict = {}   # time loop -> what was touched when it starts, or at [t-1]
     for plan in reversed(c.plans):
-        touched = {c.bufs.base(r.buffer) for r in walk(plan.kernels["backward"].body)
-                   if isinstance(r, Ref)}
-        first = frozenset(b for b in touched - seen if b.key[1] == "grad")
-        c.first_touch[plan.ensemble] = frozenset() if plan.ensemble in c.stepped else first
-        seen |= touched
+        kernels = [k for name, k in plan.kernels.items() if name in ("backward", AFTER_LOOP)]
+        refs = {r.buffer for k in kernels for r in walk(k.body) if isinstance(r, Ref)}
+        loop = c.stepped.get(plan.ensemble)
+        if loop is None:
+            first = frozenset(b for b in refs - seen if b.key[1] == "grad")
+        else:
+            touched = before_loop.setdefault(id(loop), seen | other_steps)
+            first = frozenset(v for v in refs if bufs.views.get(v, (None, 1))[1] == 0
+                              and bufs.base(v) not in touched and bufs.base(v).key[1] == "grad")
+        c.first_touch[plan.ensemble] = first
+        seen |= {bufs.base(b) for b in refs}
 
 
 def _fold_zero_init(c: Compilation, kernel: Kernel) -> Kernel:
@@ -170,7 +181,7 @@ def _fold_zero_init(c: Compilation, kernel: Kernel) -> Kernel:
     if ens in c.stepped:   # its parameters' gradients sum over the steps: only the nests run
         # once after the loop may overwrite them, those no step of the loop touches
         if kernel is not next(p for p in c.plans if p.ensemble is ens).kernels.get(AFTER_LOOP):
-            return kernel
+            return kernel   # its steps' gradients: _fold_step_grads
         stepped = [p.kernels["backward"] for p in c.plans if p.ensemble in c.stepped]
         zeroed = grads - {a.buffer for k in stepped for a in accesses(k.body)}
     else:
@@ -178,6 +189,26 @@ def _fold_zero_init(c: Compilation, kernel: Kernel) -> Kernel:
     kernel, folded = fold_zero_init(kernel, zeroed)
     c.pre_zeroed |= folded
     return kernel
+
+
+def _fold_step_grads(c: Compilation) -> None:
+    """A gradient's step view still zero when a time step starts, which the loop's kernels
+    only write, each element once (an LSTM's gates in two kernels): the writes overwrite,
+    and the gradient needs no zeroing."""
+    loops: dict = {}   # id(time loop) -> its ensembles' plans, in backward order
+    for plan in reversed(c.plans):
+        if plan.ensemble in c.stepped:
+            loops.setdefault(id(c.stepped[plan.ensemble]), []).append(plan)
+    for plans in loops.values():
+        views = sorted({v for p in plans for v in c.first_touch[p.ensemble]}, key=lambda v: v.name)
+        for view in views:
+            touching = [p for p in plans
+                        if any(a.buffer is view for a in accesses(p.kernels["backward"].body))]
+            kernels = fold_across([p.kernels["backward"] for p in touching], view)
+            if kernels is not None:
+                for p, k in zip(touching, kernels):
+                    p.kernels["backward"] = k
+                c.pre_zeroed.add(c.bufs.base(view))
 
 
 def _fuse_groups(c: Compilation) -> None:
@@ -280,6 +311,7 @@ STEPS = (
     Step("copy_windows", 1, lambda c, k: copy_windows(k, c.bufs)),
     Step("match_gemm", 1, lambda c, k: match_gemm(k)),
     Step("fold_zero_init", 1, _fold_zero_init),
+    Step("fold_step_grads", 1, _fold_step_grads, per_kernel=False),
     Step("fuse_groups", 3, _fuse_groups, per_kernel=False),
     # a time loop's element-wise ensembles: one loop over the step's items
     Step("fuse_steps", 3, _fuse_steps, per_kernel=False),

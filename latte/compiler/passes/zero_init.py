@@ -13,9 +13,11 @@ overwrite instead of accumulate when
 2. ``W`` runs unconditionally (not under an ``if``) and does not read the buffer;
 3. over its enclosing loops, ``W`` writes every element of the zeroed region exactly once
    and nothing else: both are affine offsets over loops starting at 0, and their
-   :func:`region` (a mixed-radix normal form) is the same. Several stores under the same
-   loops, at offsets that differ by constants (a Winograd 2x2 output tile), may be ``W``
-   together: the constants count as more runs of the region.
+   :func:`region` (a mixed-radix normal form) is the same. Several stores under alike
+   loops (the same ones, or sibling loops of the same variables and bounds), at offsets
+   that differ by constants (a Winograd 2x2 output tile, an LSTM step's four gates), may be
+   ``W`` together: the constants count as more runs of the region. As they then write
+   disjoint elements and read none, their order does not matter.
 
 Then the zeroing is dropped and a GEMM runs with ``beta = 0``: one pass over the region
 saved, and the write-allocate traffic of the memset.
@@ -113,8 +115,8 @@ def _first_write(s, buf: Buffer, zeroed: Region) -> list:
     if len(found) != len(mine):
         return []
     loops = found[0][1]
-    if loops is None or not all(ls is not None and len(ls) == len(loops) and all(
-            a is b for a, b in zip(ls, loops)) for _, ls in found):   # the same loop nodes
+    if loops is None or not all(ls is not None and _headers(ls) == _headers(loops)
+                                for _, ls in found):   # alike loops (the same, or siblings)
         return []
     offsets, extra = [], []
     for node, _ in found:
@@ -136,6 +138,10 @@ def _first_write(s, buf: Buffer, zeroed: Region) -> list:
             off - off.const + first != base for off in offsets):   # each element once
         return []
     return [n for n, _ in found] if _written_region(base, loops, extra + digits) == zeroed else []
+
+
+def _headers(loops) -> list[tuple[str, int, int]]:
+    return [(lp.var, lp.start, lp.stop) for lp in loops]
 
 
 def _digits(consts: set[int]) -> list[tuple[int, int]] | None:
@@ -196,3 +202,20 @@ def fold_zero_init(kernel: Kernel, zeroed: frozenset[Buffer] = frozenset()
     drop = {i for i in folded.values() if i is not None}
     body = Block(tuple(s for i, s in enumerate(stmts) if i not in drop))
     return replace(kernel, body=body), frozenset(b for b, i in folded.items() if i is None)
+
+
+def fold_across(kernels: list[Kernel], buf: Buffer) -> list[Kernel] | None:
+    """``kernels``, run in this order over a zeroed ``buf`` that nothing else touches in
+    between, with the writes that overwrite it rewritten: those of their statements touching
+    ``buf`` up to the first that reads it, taken as one statement (properties 1-3); what
+    reads it later sees it whole. None if they do not overwrite it."""
+    touching = []
+    for s in (s for k in kernels for s in k.body.stmts if buf in _touched(s)):
+        if not all(a.written for a in accesses(s) if a.buffer is buf):
+            break
+        touching.append(s)
+    first = _first_write(Block(tuple(touching)), buf, whole(buf))
+    if not first:
+        return None
+    return [replace(k, body=rewrite(k.body, lambda n: _overwrite(n) if any(
+        n is w for w in first) else None)) for k in kernels]
