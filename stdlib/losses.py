@@ -50,14 +50,13 @@ class SoftmaxLoss(NormalizationEnsemble):
         self.scale = 1.0   # 1 / number of items the loss averages over (all ranks)
 
     def forward(self, inputs, value, valid):
-        x = inputs[0].reshape(inputs[0].shape[0], -1)[:valid].astype(np.float64)
+        x = inputs[0].reshape(inputs[0].shape[0], -1)[:valid]
         idx = _labels(inputs[1], x.shape[1], f"loss {self.name!r}", valid)
-        x = x - x.max(axis=1, keepdims=True)
-        e = np.exp(x)   # once: the probabilities are its rows over their sums
-        total = e.sum(axis=1)
-        logsum = np.log(total)
-        nll = logsum - x[np.arange(valid), idx]
-        self.prob = e / total[:, None]
+        z = np.subtract(x, x.max(axis=1, keepdims=True), dtype=np.float64)   # exact
+        self.prob = np.exp(z)   # once: the probabilities are its rows over their sums
+        total = self.prob.sum(axis=1)
+        self.prob /= total[:, None]
+        nll = np.log(total) - z[np.arange(valid), idx]
         value[...] = 0.0
         value[:valid, 0] = nll
         hits = (x.argmax(axis=1) == idx).sum()
@@ -72,10 +71,10 @@ class SoftmaxLoss(NormalizationEnsemble):
 
     def backward(self, inputs, grad_inputs, value, grad, valid):
         idx = _labels(inputs[1], self.prob.shape[1], f"loss {self.name!r}", valid)
-        g = self.prob.copy()
-        g[np.arange(valid), idx] -= 1.0
+        g = self.prob * self.scale
+        g[np.arange(valid), idx] -= self.scale
         gi = grad_inputs[0].reshape(grad_inputs[0].shape[0], -1)
-        gi[:valid] += (g * self.scale).astype(np.float32)
+        gi[:valid] += g.astype(np.float32)
 
 
 class Accuracy(NormalizationEnsemble):
