@@ -1,6 +1,7 @@
 """Weights packed once before a time loop, and the register-tiled product that reads them:
-the micro-kernel against numpy (partial tiles, transposed A, alpha and beta, both vector
-widths), the tile against the register file, and an LSTM at opt level 3 against level 0."""
+the micro-kernel against numpy (packed B and B in place, partial tiles, transposed A, alpha
+and beta, both vector widths), the tile against the register file, an LSTM at opt level 3
+against level 0, and a convolution's window tiles multiplied in place."""
 
 from __future__ import annotations
 
@@ -29,16 +30,19 @@ def _packed(b: np.ndarray, cols: int) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(k, panels, cols).transpose(1, 0, 2))
 
 
-def _run_tiled(m, n, k, rows, cols, lanes, trans_a, alpha, beta, seed=0):
+def _run_tiled(m, n, k, rows, cols, lanes, trans_a, alpha, beta, packed=True, seed=0):
     rng = np.random.default_rng(seed)
     lda, ldc = (m if trans_a else k) + 3, n + 5        # leading dimensions wider than the block
     a = rng.standard_normal(((k if trans_a else m), lda)).astype(np.float32)
     b = rng.standard_normal((k, n)).astype(np.float32)
     c = rng.standard_normal((m, ldc)).astype(np.float32)
-    p = _packed(b, cols)
+    # B in place: rows wider than the block, the columns past it NaN
+    p = _packed(b, cols) if packed else np.pad(b, ((0, 0), (0, 2)), constant_values=np.nan)
+    ldb = cols if packed else n + 2
     bufs = [Buffer(("A",), "A", a.shape), Buffer(("P",), "P", p.shape), Buffer(("C",), "C", c.shape)]
-    gemm = Gemm(m, n, k, bufs[0], Affine(), lda, trans_a, bufs[1], Affine(), cols, False,
-                bufs[2], Affine(), ldc, alpha=alpha, beta=beta, panel=(rows, cols, lanes))
+    gemm = Gemm(m, n, k, bufs[0], Affine(), lda, trans_a, bufs[1], Affine(), ldb, False,
+                bufs[2], Affine(), ldc, alpha=alpha, beta=beta, panel=(rows, cols, lanes),
+                packed=packed)
     mb = ModuleBuilder({buf: i for i, buf in enumerate(bufs)})
     mb.add_segment("seg", [Kernel("tiled", Block((gemm,)))])
     lib = target().compile(str(mb.module))
@@ -59,8 +63,9 @@ def _run_tiled(m, n, k, rows, cols, lanes, trans_a, alpha, beta, seed=0):
 ])
 @pytest.mark.parametrize("trans_a,alpha,beta", [(False, 1.0, 0.0), (True, 1.0, 1.0),
                                                 (False, 0.5, -2.0)])
-def test_tiled_gemm_matches_numpy(m, n, k, rows, cols, lanes, trans_a, alpha, beta):
-    c, expected = _run_tiled(m, n, k, rows, cols, lanes, trans_a, alpha, beta)
+@pytest.mark.parametrize("packed", [True, False])
+def test_tiled_gemm_matches_numpy(m, n, k, rows, cols, lanes, trans_a, alpha, beta, packed):
+    c, expected = _run_tiled(m, n, k, rows, cols, lanes, trans_a, alpha, beta, packed)
     # columns past n (a partial panel's padding) are left as they were
     np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4 * max(1, k) ** 0.5)
     np.testing.assert_array_equal(c[:, n:], expected[:, n:])
@@ -164,4 +169,41 @@ def test_large_products_pack_their_weights_at_the_start_of_the_kernel():
     for p, q in zip(base.params, opt.params):
         assert_scaled_close(q.grad, p.grad, 1e-5, f"gradient of {p.name}")
     small = next(p for p in _fc(3, 128).program.plans if p.ensemble.name == "fc")
-    assert not any(isinstance(g, Gemm) and g.panel for k in small.kernels.values() for g in walk(k))
+    assert not any(isinstance(g, Gemm) and g.panel and g.packed for k in small.kernels.values()
+                   for g in walk(k))
+
+
+def _conv(level: int) -> Net:
+    from latte.stdlib import ConvolutionLayer, ReLULayer  # noqa: PLC0415
+
+    net = Net(2, opt_level=level, num_threads=2, seed=2)
+    x = MemoryDataLayer(net, "x", (3, 15, 13))
+    label = MemoryDataLayer(net, "label", (1,))
+    conv = ReLULayer("relu", net, ConvolutionLayer("conv", net, x, 10, 3, pad=1))
+    SoftmaxLossLayer("loss", net, FullyConnectedLayer("out", net, conv, 4), label)
+    net.init()
+    rng = np.random.default_rng(4)
+    net.value(x)[...] = rng.standard_normal(net.value(x).shape)
+    net.value(label)[...] = rng.integers(0, 4, net.value(label).shape)
+    return net
+
+
+def test_window_tiles_are_multiplied_in_place_and_match_level_0(monkeypatch):
+    """A convolution's GEMM over its gathered windows (A: 10 filters of 27 weights) runs the
+    micro-kernel on the window tile as it lies, forward; ``LATTE_PACK=0`` keeps BLAS."""
+    base, opt = _conv(0), _conv(2)
+    gemms = [g for p in opt.program.plans if p.ensemble.name == "conv"
+             for g in walk(p.kernels["forward"].body) if isinstance(g, Gemm)]
+    assert gemms and all(g.panel and not g.packed for g in gemms)
+    for p, q in zip(base.params, opt.params, strict=True):
+        q.value[...] = p.value
+    for net in (base, opt):
+        net.forward()
+        net.backward()
+    assert_scaled_close(opt.value("relu"), base.value("relu"), 1e-5, "relu")
+    for p, q in zip(base.params, opt.params):
+        assert_scaled_close(q.grad, p.grad, 1e-5, p.name)
+    monkeypatch.setenv("LATTE_PACK", "0")
+    blas = _conv(2)
+    assert not [g for p in blas.program.plans for k in p.kernels.values() for g in walk(k.body)
+                if isinstance(g, Gemm) and g.panel]

@@ -296,6 +296,8 @@ class Gemm(Stmt):
     ``b_off`` as ``[ceil(n / cols)][k][cols]``, the last panel zero-padded (``ldb`` is
     ``cols``, ``trans_b`` False), and the product computed ``rows x cols`` at a time in
     vectors of ``lanes`` floats (:mod:`latte.compiler.microkernel`) instead of by BLAS.
+    With ``packed`` False the tiled product reads B in place (rows ``ldb`` apart, not
+    transposed).
     """
 
     m: int
@@ -315,11 +317,12 @@ class Gemm(Stmt):
     alpha: float = 1.0
     beta: float = 1.0
     panel: tuple[int, int, int] = ()
+    packed: bool = True
 
     @property
     def b_rows(self) -> int:
         """Rows of B's block as stored (``ldb`` apart)."""
-        if self.panel:
+        if self.panel and self.packed:
             return -(-self.n // self.panel[1]) * self.k
         return self.n if self.trans_b else self.k
 
@@ -472,7 +475,7 @@ def accesses(node: Node) -> list[Access]:
             return
         if isinstance(n, Gemm):
             a_rows, a_cols = (n.k, n.m) if n.trans_a else (n.m, n.k)
-            b_cols = n.ldb if n.panel else n.k if n.trans_b else n.n
+            b_cols = n.ldb if n.panel and n.packed else n.k if n.trans_b else n.n
             out.extend((
                 Access(n.a_buf, n.a_off, False, block=((n.lda, a_rows), (1, a_cols)), loops=loops),
                 Access(n.b_buf, n.b_off, False, block=((n.ldb, n.b_rows), (1, b_cols)),

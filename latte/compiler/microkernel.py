@@ -1,5 +1,6 @@
-"""A GEMM whose B operand is packed in panels (:mod:`latte.compiler.passes.pack`), emitted as
-register-tiled outer products in LLVM vector IR instead of a BLAS call.
+"""A GEMM whose B operand is packed in panels (:mod:`latte.compiler.passes.pack`), or small
+enough to be read in place, emitted as register-tiled outer products in LLVM vector IR
+instead of a BLAS call.
 
 ``C`` is computed ``rows x cols`` at a time: ``rows * cols / lanes`` vector accumulators stay
 in registers over the whole ``k`` loop, and each step loads ``cols / lanes`` vectors of the
@@ -10,7 +11,8 @@ an LSTM step's 32-row products at about 77 GFLOP/s, this kernel at about 110.
 
 The tile is chosen for the host's vector registers (:func:`tile`); a last partial panel of
 ``n`` is computed whole over the zero padding and stored lane by lane, a last partial group
-of rows by a smaller tile.
+of rows by a smaller tile. A B read in place has no padding: the last partial panel loads
+only the lanes that lie in B.
 """
 
 from __future__ import annotations
@@ -47,11 +49,13 @@ def tile(m: int, n: int, k: int, lanes: int, registers: int, panel_bytes: int
 def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Function,
          counted) -> None:
     """The product ``g`` (a :class:`~latte.compiler.ir.Gemm` with a ``panel``), with ``a``,
-    ``bp`` and ``c`` pointing at its A, packed B and C blocks; ``fma``: ``llvm.fma`` on
-    vectors of ``g.panel[2]`` floats; ``counted(name, lo, hi, body)``: codegen's loop."""
+    ``bp`` and ``c`` pointing at its A, B and C blocks; ``fma``: ``llvm.fma`` on vectors of
+    ``g.panel[2]`` floats; ``counted(name, lo, hi, body)``: codegen's loop. B is packed
+    (panels ``k * cols`` apart, rows ``cols``) or read in place (panels ``cols`` apart,
+    rows ``ldb``)."""
     rows, cols, lanes = g.panel
     full, tail = divmod(g.n, cols)
-    panel_size = g.k * cols
+    panel_size = g.k * cols if g.packed else cols
 
     def panels(count: int, first: int, width: int) -> None:
         def one(p):
@@ -96,9 +100,9 @@ def _tile(b, g, a, panel, c, row, col, rows: int, width: int, fma) -> None:
     for r in accs:
         for acc in r:
             acc.add_incoming(zero, pre)
-    at = b.mul(k, _i64(cols))
-    panel_vecs = [b.load(b.bitcast(b.gep(panel, [b.add(at, _i64(j * lanes))]), vec.as_pointer()),
-                         align=4) for j in range(vecs)]
+    at = b.mul(k, _i64(cols if g.packed else g.ldb))
+    panel_vecs = [_load(b, b.gep(panel, [b.add(at, _i64(j * lanes))]), vec,
+                        lanes if g.packed else min(lanes, width - j * lanes)) for j in range(vecs)]
     offset = k if step == 1 else b.mul(k, _i64(step))
     for i, base in enumerate(bases):
         x = _splat(b, b.load(b.gep(base, [offset])), vec)
@@ -115,6 +119,17 @@ def _tile(b, g, a, panel, c, row, col, rows: int, width: int, fma) -> None:
         for j in range(vecs):
             _store(b, g, b.gep(line, [_i64(j * lanes)]), accs[i][j],
                    min(lanes, width - j * lanes), fma)
+
+
+def _load(b, at, vec: ir.VectorType, count: int) -> ir.Value:
+    """The vector at ``at``; only its first ``count`` lanes (the rest zero) where fewer are
+    there (the last partial panel of a B read in place: no read past its rows)."""
+    if count == vec.count:
+        return b.load(b.bitcast(at, vec.as_pointer()), align=4)
+    out = ir.Constant(vec, None)
+    for lane in range(count):
+        out = b.insert_element(out, b.load(b.gep(at, [_i64(lane)])), _i64(lane))
+    return out
 
 
 def _store(b, g, at, acc, count: int, fma) -> None:

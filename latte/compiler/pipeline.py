@@ -45,7 +45,7 @@ from latte.compiler.passes import (
     prune_dead_gradients,
     tile_loops,
 )
-from latte.compiler.passes.pack import pack_weights
+from latte.compiler.passes.pack import pack_weights, tile_in_place
 from latte.compiler.passes.time_hoist import hoist_param_grads
 from latte.compiler.passes.unswitch import unswitch_neuron_loops
 from latte.compiler.passes.winograd import winograd
@@ -265,6 +265,14 @@ def _pack_weights(c: Compilation) -> None:
             plan.kernels[phase] = kernel
 
 
+def _tile_gemms(kernel: Kernel) -> Kernel:
+    """GEMMs that BLAS would pack for little work: the micro-kernel on B in place
+    (``LATTE_PACK=0``: BLAS)."""
+    if os.environ.get("LATTE_PACK") == "0":
+        return kernel
+    return tile_in_place(kernel, vector_registers(), cache_sizes()[2])
+
+
 def _schedule(c: Compilation) -> None:
     """Kernels -> segments and host steps per phase; the gradient-zeroing kernel (a
     solver's update is compiled when it first runs: ``latte.compiler.update``)."""
@@ -321,6 +329,8 @@ STEPS = (
     Step("parallelize", 2, lambda c, k: parallelize(k, c.bufs)),
     # GEMMs over parameters that reuse them: B packed once per pass, then tiled products
     Step("pack_weights", 2, _pack_weights, per_kernel=False),
+    # the other GEMMs over a small A and B read along its rows: tiled products on B in place
+    Step("tile_gemms", 2, lambda c, k: _tile_gemms(k)),
     Step("localize_recomputed", 3, _localize_recomputed, per_kernel=False),
     Step("schedule", 0, _schedule, per_kernel=False),
 )

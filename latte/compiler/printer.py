@@ -91,9 +91,10 @@ def fmt_stmt(s, indent: int = 0) -> list[str]:
     if isinstance(s, Gemm):
         ta, tb = "T" if s.trans_a else "N", "T" if s.trans_b else "N"
         b = f"ldb={s.ldb}"
-        if s.panel:   # the register-tiled product over a packed B
+        if s.panel:   # the register-tiled product over a packed B, or B in place
             rows, cols, lanes = s.panel
-            call, ta, b = f"tiled_gemm({rows}x{cols} tiles of {lanes}-float vectors, ", ta, "packed"
+            call, ta = f"tiled_gemm({rows}x{cols} tiles of {lanes}-float vectors, ", ta
+            b = "packed" if s.packed else b
         else:
             call, ta = "sgemm(", ta + tb
         return [f"{pad}{call}{ta}, m={s.m}, n={s.n}, k={s.k}, "
