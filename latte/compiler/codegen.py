@@ -76,6 +76,7 @@ class ModuleBuilder:
         self.threads = threads
         self._kernels = 0
         self._shared: dict[str, ir.Function] = {}   # kernel structure -> its function
+        self._tiled: dict[tuple, ir.Function] = {}   # a tiled product's shape -> its function
         self.check_bounds = check_bounds()
         self._sites: dict[str, ir.GlobalVariable] = {}
         if self.check_bounds:
@@ -123,6 +124,21 @@ class ModuleBuilder:
             fn = self.function(f"k{self._kernels}_{_mangle(kernel.name)}", len(bufs), [])
             _KernelEmitter(self, fn, dict(zip(bufs, fn.args)), kernel).emit()
             self._shared[key] = fn
+        return fn
+
+    def tiled_product(self, g: Gemm) -> ir.Function:
+        """The register-tiled product ``g`` as a function of its A, B and C pointers, one per
+        module for all products alike (never inlined: compiled once)."""
+        key = (g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.alpha, g.beta, g.trans_a, g.packed, g.panel)
+        fn = self._tiled.get(key)
+        if fn is None:
+            fn = self._tiled[key] = self.function(f"tiled{len(self._tiled)}", 3, [])
+            fn.attributes.add("noinline")
+            vec = ir.VectorType(F32, g.panel[2])
+            fma = self.declare(f"llvm.fma.v{vec.count}f32", vec, [vec] * 3)
+            emitter = _KernelEmitter(self, fn, {}, None)
+            microkernel.emit(emitter.b, g, *fn.args, fma, emitter.counted)
+            emitter.b.ret_void()
         return fn
 
     def function(self, name: str, n_buffers: int, ints: list[str]) -> ir.Function:
@@ -198,7 +214,7 @@ def _mangle(name: str) -> str:
 
 class _KernelEmitter:
     def __init__(self, mb: ModuleBuilder, fn: ir.Function, args: dict[Buffer, ir.Argument],
-                 kernel: Kernel):
+                 kernel: Kernel | None):
         self.mb, self.fn, self.args, self.kernel = mb, fn, args, kernel
         self.entry = fn.append_basic_block("entry")
         self.b = ir.IRBuilder(self.entry)
@@ -407,10 +423,8 @@ class _KernelEmitter:
         OpenBLAS's sgemm runs it at a third of sgemv's speed), else sgemm."""
         ptr = lambda buf, off: self.b.gep(self.args[buf], [self.affine(off)], inbounds=True)  # noqa: E731
         if g.panel:
-            vec = ir.VectorType(F32, g.panel[2])
-            fma = self.mb.declare(f"llvm.fma.v{vec.count}f32", vec, [vec] * 3)
-            microkernel.emit(self.b, g, ptr(g.a_buf, g.a_off), ptr(g.b_buf, g.b_off),
-                             ptr(g.c_buf, g.c_off), fma, self.counted)
+            self.b.call(self.mb.tiled_product(g), [ptr(g.a_buf, g.a_off), ptr(g.b_buf, g.b_off),
+                                                   ptr(g.c_buf, g.c_off)])
             return
         c = lambda x: ir.Constant(I32, int(x))  # noqa: E731
         alpha, beta = ir.Constant(F32, g.alpha), ir.Constant(F32, g.beta)

@@ -270,7 +270,8 @@ def _tile_gemms(kernel: Kernel) -> Kernel:
     (``LATTE_PACK=0``: BLAS)."""
     if os.environ.get("LATTE_PACK") == "0":
         return kernel
-    return tile_in_place(kernel, vector_registers(), cache_sizes()[2])
+    caches = cache_sizes()
+    return tile_in_place(kernel, vector_registers(), caches[2], caches[max(caches)])
 
 
 def _schedule(c: Compilation) -> None:
@@ -329,7 +330,7 @@ STEPS = (
     Step("parallelize", 2, lambda c, k: parallelize(k, c.bufs)),
     # GEMMs over parameters that reuse them: B packed once per pass, then tiled products
     Step("pack_weights", 2, _pack_weights, per_kernel=False),
-    # the other GEMMs over a small A and B read along its rows: tiled products on B in place
+    # the other GEMMs over an A that stays in cache, B read along its rows: tiled, B in place
     Step("tile_gemms", 2, lambda c, k: _tile_gemms(k)),
     Step("localize_recomputed", 3, _localize_recomputed, per_kernel=False),
     Step("schedule", 0, _schedule, per_kernel=False),

@@ -19,8 +19,8 @@ across threads packs one block per thread, in parallel as the product runs) and 
 on them; GEMMs that read the same block (a product split into a whole and a last slice)
 share one packed copy. Nothing looks at layer types or names.
 
-GEMMs left to BLAS whose A block stays in the L2 cache and whose B is read along its rows
-run the micro-kernel on B in place (:func:`tile_in_place`): no packing at all.
+GEMMs left to BLAS whose A block stays in the last-level cache and whose B is read along
+its rows run the micro-kernel on B in place (:func:`tile_in_place`): no packing at all.
 """
 
 from __future__ import annotations
@@ -82,14 +82,16 @@ def pack_weights(kernel: Kernel, bufs, params: frozenset[Buffer], vector: tuple[
     return replace(kernel, body=visit(kernel.body, ())), packs
 
 
-def tile_in_place(kernel: Kernel, vector: tuple[int, int], l2: int) -> Kernel:
-    """``kernel`` with each GEMM still left to BLAS that reads B along its rows and whose A
-    block fits half the L2 cache (read again for every panel of B) computed by the tiled
-    micro-kernel straight from B, unpacked (a convolution's window tile: packing by BLAS
-    costs the most next to small products, ``k`` 27 for an RGB 3x3 window). Matrix-vector
-    products stay with BLAS."""
+def tile_in_place(kernel: Kernel, vector: tuple[int, int], l2: int, shared: int) -> Kernel:
+    """``kernel`` with each GEMM still left to BLAS that reads B along its rows computed by
+    the tiled micro-kernel straight from B, unpacked: BLAS packs both operands at every
+    call, which costs the most next to small products (a convolution's window tile: ``k``
+    27 for an RGB 3x3 window, or a few pixels of a fused tile against a deep layer's
+    weights). A is read again for every panel of B, so its block must fit half of the
+    ``shared`` (last-level) cache; a panel, half the ``l2``. Matrix-vector products stay
+    with BLAS."""
     def tiled(g: Gemm):
-        if g.panel or g.trans_b or g.m == 1 or g.n == 1 or 4 * g.m * g.k > l2 // 2:
+        if g.panel or g.trans_b or g.m == 1 or g.n == 1 or 4 * g.m * g.k > shared // 2:
             return None
         shape = tile(g.m, g.n, g.k, vector[0] // 32, vector[1], l2 // 2)
         return None if shape is None else replace(g, panel=(*shape, vector[0] // 32),
