@@ -88,10 +88,11 @@ def tile_in_place(kernel: Kernel, vector: tuple[int, int], l2: int, shared: int)
     call, which costs the most next to small products (a convolution's window tile: ``k``
     27 for an RGB 3x3 window, or a few pixels of a fused tile against a deep layer's
     weights). A is read again for every panel of B, so its block must fit half of the
-    ``shared`` (last-level) cache; a panel, half the ``l2``. Matrix-vector products stay
-    with BLAS."""
+    ``shared`` (last-level) cache, and along its rows or in a short product (as for
+    packing); a panel must fit half the ``l2``. Matrix-vector products stay with BLAS."""
     def tiled(g: Gemm):
-        if g.panel or g.trans_b or g.m == 1 or g.n == 1 or 4 * g.m * g.k > shared // 2:
+        if (g.panel or g.trans_b or g.m == 1 or g.n == 1 or 4 * g.m * g.k > shared // 2
+                or not _short_columns(g)):
             return None
         shape = tile(g.m, g.n, g.k, vector[0] // 32, vector[1], l2 // 2)
         return None if shape is None else replace(g, panel=(*shape, vector[0] // 32),
@@ -104,9 +105,15 @@ def tile_in_place(kernel: Kernel, vector: tuple[int, int], l2: int, shared: int)
 def pays(g: Gemm, rows: int, stepped: bool) -> bool:
     """Does packing ``g``'s B once per pass pay, for ``rows`` rows of A in all (``g``'s, times
     the iterations of the loops around it that do not move B)? See the module's docstring."""
-    if g.trans_a and g.m > MIN_ROWS:
+    if not _short_columns(g):
         return False
     return stepped or rows >= (MIN_ROWS_TRANSPOSED if g.trans_b else MIN_ROWS)
+
+
+def _short_columns(g: Gemm) -> bool:
+    """Does the micro-kernel read A well: along its rows, or transposed in a short product
+    (each step of ``k`` moves ``lda`` floats on; over many rows the pages run out)?"""
+    return not g.trans_a or g.m <= MIN_ROWS
 
 
 def _packed(g: Gemm, around: tuple, name: str, bufs, vector: tuple[int, int], l2: int,
