@@ -111,9 +111,11 @@ def pays(g: Gemm, rows: int, stepped: bool) -> bool:
 
 
 def _short_columns(g: Gemm) -> bool:
-    """Does the micro-kernel read A well: along its rows, or transposed in a short product
-    (each step of ``k`` moves ``lda`` floats on; over many rows the pages run out)?"""
-    return not g.trans_a or g.m <= MIN_ROWS
+    """Does the micro-kernel read A well: along its rows, or transposed with few rows or
+    few steps of ``k`` (each step moves ``lda`` floats on: a tile of rows walking 1568
+    steps of 2048 floats ran at half BLAS's speed, a convolution's input gradient over a few
+    hundred output channels is faster than BLAS)?"""
+    return not g.trans_a or min(g.m, g.k) <= MIN_ROWS
 
 
 def _packed(g: Gemm, around: tuple, name: str, bufs, vector: tuple[int, int], l2: int,
