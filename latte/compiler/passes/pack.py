@@ -89,7 +89,13 @@ def tile_in_place(kernel: Kernel, vector: tuple[int, int], l2: int, shared: int)
     27 for an RGB 3x3 window, or a few pixels of a fused tile against a deep layer's
     weights). A is read again for every panel of B, so its block must fit half of the
     ``shared`` (last-level) cache, and along its rows or in a short product (as for
-    packing); a panel must fit half the ``l2``. Matrix-vector products stay with BLAS."""
+    packing); a panel must fit half the ``l2``. Matrix-vector products stay with BLAS, and
+    so does everything on hosts with fewer than 32 vector registers: with AVX2's 16, B's
+    panels read in place ran slower than OpenBLAS's Haswell kernels (measured with AVX-512
+    turned off in LLVM on an AMD EPYC)."""
+    if vector[1] < 32:
+        return kernel
+
     def tiled(g: Gemm):
         if (g.panel or g.trans_b or g.m == 1 or g.n == 1 or 4 * g.m * g.k > shared // 2
                 or not _short_columns(g)):
