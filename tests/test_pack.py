@@ -216,3 +216,33 @@ def test_window_tiles_are_multiplied_in_place_and_match_level_0(monkeypatch):
     for net in (avx2, blas):
         assert not [g for p in net.program.plans for k in p.kernels.values()
                     for g in walk(k.body) if isinstance(g, Gemm) and g.panel]
+
+
+def test_products_tiled_in_place_are_those_blas_would_pack_for_little_work():
+    """Hand-built GEMMs through ``tile_in_place`` (32 registers of 512 bits, a 1 MiB L2 and
+    a 32 MiB shared cache): B read along its rows and an A that stays in cache get a tile;
+    B transposed, a matrix-vector product, an A over half the shared cache, and a
+    transposed A walked over many rows and many steps of k stay with BLAS, as does
+    everything with AVX2's 16 registers."""
+    from latte.compiler.passes.pack import tile_in_place  # noqa: PLC0415
+
+    def gemm(m, n, k, trans_a=False, trans_b=False):
+        a = Buffer(("A",), "A", (m * k,))
+        b, c = Buffer(("B",), "B", (k * n,)), Buffer(("C",), "C", (m * n,))
+        return Gemm(m, n, k, a, Affine(), m if trans_a else k, trans_a, b, Affine(),
+                    k if trans_b else n, trans_b, c, Affine(), n)
+
+    def tiled(g, registers=32):
+        out = tile_in_place(Kernel("k", Block((g,))), (512 if registers == 32 else 256, registers),
+                            1 << 20, 32 << 20)
+        (h,) = out.body.stmts
+        return bool(h.panel) and not h.packed
+
+    assert tiled(gemm(64, 896, 27))                          # an RGB 3x3 window tile
+    assert tiled(gemm(256, 28, 2304))                        # deep weights, a few pixels
+    assert tiled(gemm(576, 784, 64, trans_a=True))           # an input gradient: 64 steps
+    assert not tiled(gemm(1024, 512, 1568, trans_a=True))    # many rows and many steps
+    assert not tiled(gemm(64, 896, 27, trans_b=True))
+    assert not tiled(gemm(1, 896, 27)) and not tiled(gemm(64, 1, 27))
+    assert not tiled(gemm(2048, 64, 4096))                   # A: 32 MiB
+    assert not tiled(gemm(64, 896, 27), registers=16)
