@@ -165,7 +165,9 @@ def _first_touch(c: Compilation) -> None:
         if loop is None:
             first = frozenset(b for b in refs - seen if b.key[1] == "grad")
         else:
-            touched = before_loop.setdefault(id(loop), seen | other_steps)
+            if id(loop) not in before_loop:
+                before_loop[id(loop)] = seen | other_steps
+            touched = before_loop[id(loop)]
             first = frozenset(v for v in refs if bufs.views.get(v, (None, 1))[1] == 0
                               and bufs.base(v) not in touched and bufs.base(v).key[1] == "grad")
         c.first_touch[plan.ensemble] = first
@@ -245,7 +247,7 @@ def _localize_recomputed(c: Compilation) -> None:
 def _pack_weights(c: Compilation) -> None:
     """GEMMs over parameters that reuse them enough read them packed: a time loop's once
     before the loop, the others at the start of their kernel (``LATTE_PACK=0``: BLAS)."""
-    if os.environ.get("LATTE_PACK") == "0":
+    if _blas_only():
         return
     params = frozenset(c.bufs.field(e, f.name) for e in c.net.ensembles
                        if isinstance(e, Ensemble) for f in e.params)
@@ -265,13 +267,20 @@ def _pack_weights(c: Compilation) -> None:
             plan.kernels[phase] = kernel
 
 
-def _tile_gemms(kernel: Kernel) -> Kernel:
+def _tile_gemms(c: Compilation) -> None:
     """GEMMs that BLAS would pack for little work: the micro-kernel on B in place
     (``LATTE_PACK=0``: BLAS)."""
-    if os.environ.get("LATTE_PACK") == "0":
-        return kernel
-    caches = cache_sizes()
-    return tile_in_place(kernel, vector_registers(), caches[2], caches[max(caches)])
+    if _blas_only():
+        return
+    vector, caches = vector_registers(), cache_sizes()
+    for plan in c.plans:
+        for name, kernel in plan.kernels.items():
+            plan.kernels[name] = tile_in_place(kernel, vector, caches[2], caches[max(caches)])
+
+
+def _blas_only() -> bool:
+    """``LATTE_PACK=0``: every GEMM a BLAS call, no packing, no tiled products."""
+    return os.environ.get("LATTE_PACK") == "0"
 
 
 def _schedule(c: Compilation) -> None:
@@ -331,7 +340,7 @@ STEPS = (
     # GEMMs over parameters that reuse them: B packed once per pass, then tiled products
     Step("pack_weights", 2, _pack_weights, per_kernel=False),
     # the other GEMMs over an A that stays in cache, B read along its rows: tiled, B in place
-    Step("tile_gemms", 2, lambda c, k: _tile_gemms(k)),
+    Step("tile_gemms", 2, _tile_gemms, per_kernel=False),
     Step("localize_recomputed", 3, _localize_recomputed, per_kernel=False),
     Step("schedule", 0, _schedule, per_kernel=False),
 )
