@@ -52,14 +52,17 @@ class SoftmaxLoss(NormalizationEnsemble):
     def forward(self, inputs, value, valid):
         x = inputs[0].reshape(inputs[0].shape[0], -1)[:valid]
         idx = _labels(inputs[1], x.shape[1], f"loss {self.name!r}", valid)
-        z = np.subtract(x, x.max(axis=1, keepdims=True), dtype=np.float64)   # exact
-        self.prob = np.exp(z)   # once: the probabilities are its rows over their sums
+        rows, best = np.arange(valid), x.argmax(axis=1)
+        z = x.astype(np.float64)
+        z -= x[rows, best][:, None]   # exact in float64
+        nll = -z[rows, idx]
+        self.prob = np.exp(z, out=z)   # in place: the probabilities are its rows over their sums
         total = self.prob.sum(axis=1)
         self.prob /= total[:, None]
-        nll = np.log(total) - z[np.arange(valid), idx]
+        nll += np.log(total)
         value[...] = 0.0
         value[:valid, 0] = nll
-        hits = (x.argmax(axis=1) == idx).sum()
+        hits = (best == idx).sum()
         total = self.reduce(np.array([nll.sum(), valid, hits], np.float64))
         self.counts = total[[2, 1]]
         self.scale = 1.0 / max(1.0, total[1])
