@@ -373,8 +373,8 @@ def walk(node: Node) -> Iterator[Node]:
 def map_children(node: Node, fn: Callable[[Node], Node]) -> Node:
     """``node`` with ``fn`` applied to each direct child (the same object if none changed)."""
     changes = {}
-    for f in dataclasses.fields(node):
-        val = getattr(node, f.name)
+    for name in _field_names(type(node)):
+        val = getattr(node, name)
         if isinstance(val, Node):
             new = fn(val)
         elif isinstance(val, tuple) and any(isinstance(v, Node) for v in val):
@@ -384,7 +384,7 @@ def map_children(node: Node, fn: Callable[[Node], Node]) -> Node:
         else:
             continue
         if new is not val:
-            changes[f.name] = new
+            changes[name] = new
     return dataclasses.replace(node, **changes) if changes else node
 
 
