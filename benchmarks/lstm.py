@@ -1,17 +1,19 @@
 """One training step of a character-level recurrent language model: latte vs PyTorch eager.
 
-    python benchmarks/lstm.py [--threads 1 2] [--cells lstm gru] [--profile]
+    python benchmarks/lstm.py [--threads 1 2] [--cells lstm gru] [--rounds 3] [--profile]
 
 Embedding (vocabulary 128, width 128), one recurrent layer (hidden 512: LSTM, or GRU),
 a linear layer per step, softmax loss; batch 32, T = 50. A step is forward, back-propagation
 through time and an SGD update (momentum 0.9). Each framework and thread count runs in its
-own worker process; medians and the ratio side by side. ``--profile`` adds latte's time per
+own worker process, the frameworks in turns over ``--rounds`` rounds; medians and the ratio
+side by side, and the range of the rounds' ratios. ``--profile`` adds latte's time per
 ensemble (``Net(profile=True)``, forward and backward).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 import numpy as np
@@ -109,14 +111,34 @@ def _args():
     ap.add_argument("--threads", type=int, nargs="*", default=[1, 2])
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="worker runs per framework, taken in turns (the table: their median)")
     ap.add_argument("--profile", action="store_true", help="latte's time per ensemble")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 repetitions")
     ap.add_argument("--stock-malloc", action="store_true",
                     help="leave glibc malloc as it is (see harness.KEEP_FREED_MEMORY)")
     args = ap.parse_args()
     if args.quick:
-        args.repeat, args.warmup = 2, 1
+        args.repeat, args.warmup, args.rounds = 2, 1, 1
     return args
+
+
+def _rounds(args, cell: str, threads: int) -> tuple[dict, list[float]]:
+    """Each framework's median step over ``args.rounds`` worker runs, taken in turns (latte
+    first in even rounds, PyTorch in odd ones, so a drift of the machine's speed weighs on
+    both alike), and each round's ratio PyTorch / latte."""
+    times: dict[str, list[float]] = {"latte": [], "torch": []}
+    ratios = []
+    for r in range(args.rounds):
+        order = ("latte", "torch") if r % 2 == 0 else ("torch", "latte")
+        res = {fw: run_worker(__file__, fw, threads, worker_options(args) + ["--cell", cell],
+                              worker_env(args)) for fw in order}
+        for fw, out in res.items():
+            if out:
+                times[fw].append(out["step"])
+        if res["latte"] and res["torch"]:
+            ratios.append(res["torch"]["step"] / res["latte"]["step"])
+    return {fw: statistics.median(t) if t else None for fw, t in times.items()}, ratios
 
 
 def _profile_table(profile: dict) -> str:
@@ -139,22 +161,24 @@ def main() -> None:
     load, rows, profiles = OtherLoad(), [], []
     for cell in args.cells:
         for threads in args.threads:
-            res = {fw: run_worker(__file__, fw, threads, worker_options(args) + ["--cell", cell],
-                                  worker_env(args)) for fw in ("latte", "torch")}
-            ms = {fw: r["step"] if r else None for fw, r in res.items()}
+            ms, ratios = _rounds(args, cell, threads)
             ratio = f"{ms['torch'] / ms['latte']:.2f}x" if ms["latte"] and ms["torch"] else "-"
+            spread = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
             rows.append([cell, threads] + [f"{ms[fw]:.1f}" if ms[fw] else "failed"
                                            for fw in ("latte", "torch")]
-                        + [f"{gflop(cell) / ms['latte'] * 1e3:.1f}" if ms["latte"] else "-", ratio])
+                        + [f"{gflop(cell) / ms['latte'] * 1e3:.1f}" if ms["latte"] else "-", ratio,
+                           spread])
             if args.profile:
                 r = run_worker(__file__, "latte", threads,
                                worker_options(args) + ["--cell", cell, "--profile"], worker_env(args))
                 if r:
                     profiles.append((cell, threads, r["profile"]))
     print(f"Embedding {VOCAB}x{WIDTH} + 1-layer RNN (hidden {HIDDEN}) + linear, batch {BATCH}, "
-          f"T = {STEPS}, one SGD step; median of {args.repeat} after {args.warmup} warm-up; "
+          f"T = {STEPS}, one SGD step; median of {args.repeat} after {args.warmup} warm-up in "
+          f"each of {args.rounds} rounds per framework, then the median over the rounds; "
           f"{machine()}; {malloc_note(args)}")
-    print(table(rows, ["cell", "threads", "latte ms", "torch ms", "latte GFLOP/s", "torch/latte"]))
+    print(table(rows, ["cell", "threads", "latte ms", "torch ms", "latte GFLOP/s", "torch/latte",
+                       "per round"]))
     for cell, threads, profile in profiles:
         print(f"\nlatte {cell}, {threads} thread(s), per ensemble (ms per step):")
         print(_profile_table(profile))
