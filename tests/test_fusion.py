@@ -22,7 +22,7 @@ import latte.compiler.pipeline
 from latte import Net, Phase
 from latte.compiler import machine
 from latte.compiler.explain import explain_program
-from latte.compiler.ir import Loop, LoopKind, accesses, walk
+from latte.compiler.ir import Block, Loop, LoopKind, accesses, walk
 from latte.lang import NormalizationEnsemble
 from latte.stdlib import (
     ConvolutionLayer,
@@ -296,10 +296,19 @@ def _tiles(kernel) -> dict[str, tuple[int, int]]:
 
 
 def _inner_rows(kernel) -> dict[str, int]:
-    """Per ensemble, the rows of one tile (extent of its tile-inner loops)."""
+    """Per ensemble, the rows of one tile (extent of its tile-inner loops; a loop split
+    around padding tests is consecutive loops over the same variable: their extents add)."""
     rows: dict[str, set[int]] = {}
-    for lp in _loops(kernel, LoopKind.TILE_INNER):
-        rows.setdefault(lp.axis.ensemble_name, set()).add(lp.extent)
+    for block in (n for n in walk(kernel.body) if isinstance(n, Block)):
+        runs: list[list[Loop]] = []
+        for s in block.stmts:
+            inner = isinstance(s, Loop) and s.kind is LoopKind.TILE_INNER
+            if inner and runs and runs[-1][-1].var == s.var and runs[-1][-1].stop == s.start:
+                runs[-1].append(s)
+            elif inner:
+                runs.append([s])
+        for run in runs:
+            rows.setdefault(run[0].axis.ensemble_name, set()).add(sum(lp.extent for lp in run))
     assert all(len(r) == 1 for r in rows.values()), rows
     return {name: r.pop() for name, r in rows.items()}
 

@@ -17,7 +17,9 @@ from latte.compiler.ir import (
     Axis,
     BinOp,
     Block,
+    BoolOp,
     Buffer,
+    Compare,
     Const,
     Gemm,
     If,
@@ -25,14 +27,16 @@ from latte.compiler.ir import (
     Load,
     Loop,
     Ref,
+    Select,
     Var,
     walk,
 )
 from latte.compiler.passes import distribute_loops, match_gemm
+from latte.compiler.passes.guards import split_guards
 from latte.compiler.passes.fuse import merge_pointwise
 from latte.compiler.passes.localize import _gemm_row
 from latte.compiler.passes.time_hoist import hoist_param_grads
-from latte.stdlib import ConvolutionLayer, MemoryDataLayer
+from latte.stdlib import ConvolutionLayer, MaxPoolingLayer, MemoryDataLayer
 
 # ---------------------------------------------------------------- a tiny IR interpreter
 
@@ -59,6 +63,13 @@ def _expr(e, mem, env):
     if isinstance(e, BinOp):
         a, b = _expr(e.lhs, mem, env), _expr(e.rhs, mem, env)
         return {"+": a + b, "-": a - b, "*": a * b}[e.op]
+    if isinstance(e, Compare):
+        a, b = _expr(e.lhs, mem, env), _expr(e.rhs, mem, env)
+        return {"<": a < b, ">=": a >= b, ">": a > b, "==": a == b}[e.op]
+    if isinstance(e, BoolOp):
+        return all(_expr(v, mem, env) for v in e.values)
+    if isinstance(e, Select):   # the branch not taken is not evaluated (it may lie outside)
+        return _expr(e.if_true if _expr(e.cond, mem, env) else e.if_false, mem, env)
     raise NotImplementedError(type(e).__name__)
 
 
@@ -88,6 +99,8 @@ def run(node, mem, env=None) -> None:
         env.pop(node.var, None)
     elif isinstance(node, Gemm):
         _gemm(node, mem, env)
+    elif isinstance(node, If):
+        run(node.then if _expr(node.cond, mem, env) else node.orelse, mem, env)
     elif isinstance(node, (Assign, AugAssign)):
         value = _expr(node.value, mem, env)
         if isinstance(node, AugAssign):
@@ -493,3 +506,68 @@ def test_unswitching_leaves_index_guards_to_the_window_passes():
     net.init()
     plan = next(p for p in net.program.plans if p.ensemble.name == "conv")
     assert not any(_under_test(k) for k in plan.kernels.values())
+
+
+# ---------------------------------------------------------------- index-set splitting
+
+def _padded_window(size: int = 6, window: int = 3, outer: str = "y", inner: str = "i",
+                   axis: bool = True) -> Kernel:
+    """``out[y] = sum_i x[y + i - 1]`` with ``x`` padded by zeros on both sides."""
+    x, out = _buf("x", size), _buf("out", size)
+    at = Affine.of(outer) + Affine.of(inner) - 1
+    guard = BoolOp("and", (Compare(">=", at, Const(0)), Compare("<", at, Const(size))))
+    read = Select(guard, Load(Ref(x, (at,), x.shape)), Const(0.0))
+    body = Block((Loop(inner, 0, window, Block((AugAssign(_ref(out, outer), "+", read),))),))
+    ax = Axis(None, 0, "out") if axis else None
+    return Kernel("window", Block((Loop(outer, 0, size, body, axis=ax),)))
+
+
+def _selects(node) -> int:
+    return sum(isinstance(n, Select) for n in walk(node))
+
+
+def test_a_padded_window_loop_splits_into_edges_and_a_test_free_interior():
+    before = _padded_window()
+    after = split_guards(before)
+    loops = after.body.stmts
+    assert [(lp.start, lp.stop) for lp in loops] == [(0, 1), (1, 5), (5, 6)]
+    assert _selects(loops[1]) == 0 and _selects(loops[0]) == _selects(loops[2]) == 1
+    _same_result(before, after)
+
+
+def test_splitting_leaves_window_loops_and_rebound_variables_whole():
+    window = _padded_window(axis=False)   # a neuron's own loop (no ensemble dimension)
+    assert split_guards(window) == window
+    shadowed = _padded_window(inner="y")   # the inner loop rebinds the outer variable
+    assert split_guards(shadowed) == shadowed
+
+
+def test_splitting_keeps_a_test_that_holds_nowhere_whole_on_the_loop():
+    """A window wider than the input: no index has every read inside, so nothing splits."""
+    before = _padded_window(size=3, window=5)
+    after = split_guards(before)
+    assert after == before
+    _same_result(before, after)
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_a_padded_pooling_runs_its_interior_without_tests_and_computes_the_same(level):
+    def pooled(opt_level):
+        net = Net(2, opt_level=opt_level, num_threads=2 if opt_level >= 2 else 1)
+        x = MemoryDataLayer(net, "x", (3, 9, 10))
+        WeightedSumLoss(net, "loss", MaxPoolingLayer("pool", net, x, 3, 2, 1))
+        net.init()
+        fill(net, x, np.random.default_rng(3))
+        net.forward()
+        net.backward()
+        return net
+
+    base, opt = pooled(0), pooled(level)
+    plan = next(p for p in opt.program.plans if p.ensemble.name == "pool")
+    for kernel in (plan.kernels["forward"], plan.kernels["backward"]):
+        assert any(isinstance(n, Loop) and n.axis is not None and n.extent > 1
+                   and not any(isinstance(m, Compare) and m.op in (">=", "<")
+                               for m in walk(n))
+                   and any(isinstance(m, Load) for m in walk(n)) for n in walk(kernel.body))
+    np.testing.assert_array_equal(opt.value("pool"), base.value("pool"))
+    np.testing.assert_array_equal(opt.grad("x"), base.grad("x"))

@@ -45,6 +45,7 @@ from latte.compiler.passes import (
     prune_dead_gradients,
     tile_loops,
 )
+from latte.compiler.passes.guards import split_guards
 from latte.compiler.passes.pack import pack_weights, tile_in_place
 from latte.compiler.passes.time_hoist import hoist_param_grads
 from latte.compiler.passes.unswitch import unswitch_neuron_loops
@@ -342,6 +343,8 @@ STEPS = (
     # the other GEMMs over an A that stays in cache, B read along its rows: tiled, B in place
     Step("tile_gemms", 2, _tile_gemms, per_kernel=False),
     Step("localize_recomputed", 3, _localize_recomputed, per_kernel=False),
+    # a loop testing its index against padding: the tests only where they can fail
+    Step("split_guards", 1, lambda c, k: split_guards(k)),
     Step("schedule", 0, _schedule, per_kernel=False),
 )
 

@@ -149,7 +149,7 @@ def _split_guard(order: list[Loop], guard, make, loops: list[Loop]):
     own = [t for t in terms if t not in hoisted]
     lo, hi, rest = inner.start, inner.stop, []
     for t in own:
-        bound = _interior(t, inner.var, ranges)
+        bound = interior(t, inner.var, ranges)
         if bound is None:
             rest.append(t)
         else:
@@ -177,7 +177,7 @@ def conj(terms: list):
     return True if not terms else terms[0] if len(terms) == 1 else BoolOp("and", tuple(terms))
 
 
-def _interior(term, var: str, ranges: dict) -> tuple[int, int] | None:
+def interior(term, var: str, ranges: dict) -> tuple[int, int] | None:
     """The range ``[lo, hi)`` of ``var`` on which ``term`` (``affine >= c`` or ``affine < c``)
     holds for every value of the other variables in ``ranges``; None if not of that form."""
     if not (isinstance(term, Compare) and term.op in (">=", "<") and isinstance(term.lhs, Affine)

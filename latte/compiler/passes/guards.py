@@ -1,0 +1,147 @@
+"""Index-set splitting: a loop whose body tests its own index against a padding border runs
+the tests only where they can fail.
+
+A window read through padding synthesizes as ``x[2*y + i - 1] if 2*y + i - 1 >= 0 else pad``
+(or an ``if`` around a windowed write): every iteration tests, though only the first few
+and last few can fail, and the branch keeps LLVM from vectorizing the loop (a padded 3x3
+max pooling runs about four times slower than an unpadded one). For each loop, innermost
+first, the guard terms ``affine >= c`` / ``affine < c`` that use its variable
+give the range of it on which they hold whatever the other variables (those of the loops
+around and inside, over their whole ranges): the loop becomes up to three loops, the
+middle one with those terms taken as true and the tests they decide removed. Terms that
+hold on the whole loop are removed without a split. Only loops over an ensemble's
+dimensions split (a neuron's own loops, a window's, are short: LLVM unrolls them), not
+those over tiles (the rows inside a tile split instead), not those a parallel loop
+collapses with, nor a body too large to copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from latte.compiler.ir import (
+    Affine,
+    Block,
+    BoolOp,
+    Compare,
+    If,
+    Kernel,
+    Loop,
+    LoopKind,
+    Select,
+    rewrite,
+    walk,
+)
+from latte.compiler.passes.data_copy import conj, interior
+
+MAX_BODY = 3000   # IR nodes; a larger body is not copied
+
+
+def split_guards(kernel: Kernel) -> Kernel:
+    """``kernel`` with every loop split around the padding tests on its index."""
+    return replace(kernel, body=_block(kernel.body, {}, 0))
+
+
+def _block(block: Block, ranges: dict, collapsed: int) -> Block:
+    stmts = []
+    for s in block.stmts:
+        out = _stmt(s, ranges, collapsed if len(block.stmts) == 1 else 0)
+        stmts.extend(out.stmts if isinstance(out, Block) else (out,))
+    return Block(tuple(stmts))
+
+
+def _stmt(s, ranges: dict, collapsed: int):
+    if isinstance(s, If):
+        return replace(s, then=_block(s.then, ranges, 0), orelse=_block(s.orelse, ranges, 0))
+    if not isinstance(s, Loop):
+        return s
+    inner = {**ranges, s.var: (s.start, s.stop - 1)}
+    if s.kind is LoopKind.PARALLEL:   # its collapsed loops keep their shape
+        nested = dict(s.meta).get("collapse", 1) - 1
+        return replace(s, body=_block(s.body, inner, nested))
+    s = replace(s, body=_block(s.body, inner, max(collapsed - 1, 0)))
+    whole = collapsed or s.axis is None or s.kind is LoopKind.TILE_OUTER
+    return s if whole else _split(s, ranges)
+
+
+def _split(loop: Loop, ranges: dict):
+    """``loop`` as up to three loops around its guard-free interior."""
+    body_nodes = list(walk(loop.body))
+    terms = {t for n in body_nodes for t in _guard_terms(n) if loop.var in t.lhs.vars}
+    if not terms or len(body_nodes) > MAX_BODY:
+        return loop
+    inside = _loop_ranges(body_nodes)
+    if loop.var in inside:   # a loop inside rebinds the variable
+        return loop
+    known = {**ranges, **inside}
+    lo, hi, held = loop.start, loop.stop, {}
+    for t in terms:
+        bound = interior(t, loop.var, known)
+        if bound is not None:
+            held[t] = (max(bound[0], loop.start), min(bound[1], loop.stop))
+    always = {t for t, (a, b) in held.items() if a <= loop.start and b >= loop.stop}
+    split = {t: r for t, r in held.items() if t not in always}
+    lo = max([loop.start, *(a for a, _ in split.values())])
+    hi = min([loop.stop, *(b for _, b in split.values())])
+    if lo >= hi:
+        split = {}
+    if not always and not split:
+        return loop
+    edge = _assume(loop.body, always) if always else loop.body
+    middle = _assume(loop.body, always | split.keys())
+    pieces = [(loop.start, lo, edge), (lo, hi, middle), (hi, loop.stop, edge)] if split else [
+        (loop.start, loop.stop, edge)]
+    return Block(tuple(replace(loop, start=a, stop=b, body=body)
+                       for a, b, body in pieces if a < b))
+
+
+def _guard_terms(node):
+    """The ``affine >= c`` / ``affine < c`` conjuncts of ``node``'s test (a select or an if)."""
+    if not isinstance(node, (Select, If)):
+        return ()
+    stack, out = [node.cond], []
+    while stack:
+        c = stack.pop()
+        if isinstance(c, BoolOp) and c.op == "and":
+            stack.extend(c.values)
+        elif isinstance(c, Compare) and c.op in (">=", "<") and isinstance(c.lhs, Affine):
+            out.append(c)
+    return out
+
+
+def _loop_ranges(nodes) -> dict:
+    """Each loop variable among ``nodes``: the hull of its loops' ranges."""
+    out: dict[str, tuple[int, int]] = {}
+    for n in nodes:
+        if isinstance(n, Loop):
+            a, b = out.get(n.var, (n.start, n.stop - 1))
+            out[n.var] = (min(a, n.start), max(b, n.stop - 1))
+    return out
+
+
+def _assume(body: Block, true: set) -> Block:
+    """``body`` with the guard terms ``true`` taken as holding."""
+    def cond(c):
+        if c in true:
+            return True
+        if isinstance(c, BoolOp) and c.op == "and":
+            new = [cond(v) for v in c.values]
+            if all(a is b for a, b in zip(new, c.values)):
+                return c
+            return conj([v for v in new if v is not True])
+        return c
+
+    def fn(node):
+        if isinstance(node, Block) and any(isinstance(s, Block) for s in node.stmts):
+            return Block(tuple(t for s in node.stmts
+                               for t in (s.stmts if isinstance(s, Block) else (s,))))
+        if isinstance(node, Select):
+            c = cond(node.cond)
+            return node.if_true if c is True else replace(node, cond=c) if c is not node.cond else None
+        if isinstance(node, If):
+            c = cond(node.cond)
+            return node.then if c is True else replace(node, cond=c) if c is not node.cond else None
+        return None
+
+    out = rewrite(body, fn)
+    return out if isinstance(out, Block) else Block((out,))
