@@ -32,8 +32,8 @@ from latte.compiler.ir import (
     walk,
 )
 from latte.compiler.passes import distribute_loops, match_gemm
-from latte.compiler.passes.guards import split_guards
 from latte.compiler.passes.fuse import merge_pointwise
+from latte.compiler.passes.guards import split_guards
 from latte.compiler.passes.localize import _gemm_row
 from latte.compiler.passes.time_hoist import hoist_param_grads
 from latte.stdlib import ConvolutionLayer, MaxPoolingLayer, MemoryDataLayer
