@@ -74,7 +74,7 @@ def _split(loop: Loop, ranges: dict):
     if loop.var in inside:   # a loop inside rebinds the variable
         return loop
     known = {**ranges, **inside}
-    lo, hi, held = loop.start, loop.stop, {}
+    held = {}
     for t in terms:
         bound = interior(t, loop.var, known)
         if bound is not None:
