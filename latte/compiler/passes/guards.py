@@ -3,8 +3,7 @@ the tests only where they can fail.
 
 A window read through padding synthesizes as ``x[2*y + i - 1] if 2*y + i - 1 >= 0 else pad``
 (or an ``if`` around a windowed write): every iteration tests, though only the first few
-and last few can fail, and the branch keeps LLVM from vectorizing the loop (a padded 3x3
-max pooling runs about four times slower than an unpadded one). For each loop, innermost
+and last few can fail, and the branch keeps LLVM from vectorizing the loop. For each loop, innermost
 first, the guard terms ``affine >= c`` / ``affine < c`` that use its variable
 give the range of it on which they hold whatever the other variables (those of the loops
 around and inside, over their whole ranges): the loop becomes up to three loops, the
@@ -12,11 +11,12 @@ middle one with those terms taken as true and the tests they decide removed. Ter
 hold on the whole loop are removed without a split. Only loops over an ensemble's
 dimensions split (a neuron's own loops, a window's, are short: LLVM unrolls them), not
 those over tiles (the rows inside a tile split instead), not those a parallel loop
-collapses with, nor a body too large to copy.
+collapses with, nor a body too large to copy. ``LATTE_SPLIT_GUARDS=0`` turns it off.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from latte.compiler.ir import (
@@ -39,15 +39,19 @@ MAX_BODY = 3000   # IR nodes; a larger body is not copied
 
 def split_guards(kernel: Kernel) -> Kernel:
     """``kernel`` with every loop split around the padding tests on its index."""
+    if os.environ.get("LATTE_SPLIT_GUARDS") == "0":
+        return kernel
     return replace(kernel, body=_block(kernel.body, {}, 0))
 
 
 def _block(block: Block, ranges: dict, collapsed: int) -> Block:
-    stmts = []
-    for s in block.stmts:
-        out = _stmt(s, ranges, collapsed if len(block.stmts) == 1 else 0)
-        stmts.extend(out.stmts if isinstance(out, Block) else (out,))
-    return Block(tuple(stmts))
+    only = collapsed if len(block.stmts) == 1 else 0
+    return _flat(_stmt(s, ranges, only) for s in block.stmts)
+
+
+def _flat(stmts) -> Block:
+    """A block of ``stmts``, the statements of those that are blocks in their place."""
+    return Block(tuple(t for s in stmts for t in (s.stmts if isinstance(s, Block) else (s,))))
 
 
 def _stmt(s, ranges: dict, collapsed: int):
@@ -133,8 +137,7 @@ def _assume(body: Block, true: set) -> Block:
 
     def fn(node):
         if isinstance(node, Block) and any(isinstance(s, Block) for s in node.stmts):
-            return Block(tuple(t for s in node.stmts
-                               for t in (s.stmts if isinstance(s, Block) else (s,))))
+            return _flat(node.stmts)
         if isinstance(node, Select):
             c = cond(node.cond)
             return node.if_true if c is True else replace(node, cond=c) if c is not node.cond else None
