@@ -17,7 +17,7 @@ from latte.compiler.codegen import ModuleBuilder
 from latte.compiler.explain import explain_program
 from latte.compiler.ir import Affine, Block, Buffer, Gemm, Kernel, Ref, walk
 from latte.compiler.jit import target
-from latte.compiler.microkernel import MAX_ROWS, tile
+from latte.compiler.microkernel import MAX_ROWS, dot_tile, tile
 from latte.stdlib import FullyConnectedLayer, LSTMLayer, MemoryDataLayer, SoftmaxLossLayer
 
 
@@ -69,6 +69,47 @@ def test_tiled_gemm_matches_numpy(m, n, k, rows, cols, lanes, trans_a, alpha, be
     # columns past n (a partial panel's padding) are left as they were
     np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4 * max(1, k) ** 0.5)
     np.testing.assert_array_equal(c[:, n:], expected[:, n:])
+
+
+@pytest.mark.parametrize("m,n,k,rows,cols,lanes", [
+    (64, 576, 448, 4, 6, 16),     # a 3x3 weight gradient over 448 pixels: whole tiles
+    (13, 37, 77, 4, 6, 16),       # partial row and column tiles, a partial vector of k
+    (5, 9, 7, 2, 3, 16),          # k below one vector
+    (9, 40, 100, 3, 4, 8),        # AVX2-sized tiles
+    (37, 3, 50, 5, 5, 8),         # fewer columns than a tile: rows outside
+])
+@pytest.mark.parametrize("alpha,beta", [(1.0, 0.0), (1.0, 1.0), (0.5, -2.0)])
+def test_dot_products_match_numpy(m, n, k, rows, cols, lanes, alpha, beta):
+    """``C = alpha * A @ B^T + beta * C`` with both operands along ``k`` (a weight gradient:
+    output gradient times gathered windows), computed as ``rows x cols`` dot products."""
+    rng = np.random.default_rng(3)
+    lda, ldb, ldc = k + 3, k + 1, n + 5
+    a = rng.standard_normal((m, lda)).astype(np.float32)
+    b = rng.standard_normal((n, ldb)).astype(np.float32)
+    a[:, k:], b[:, k:] = np.nan, np.nan                  # past k: never read
+    c = rng.standard_normal((m, ldc)).astype(np.float32)
+    bufs = [Buffer(("A",), "A", a.shape), Buffer(("B",), "B", b.shape), Buffer(("C",), "C", c.shape)]
+    gemm = Gemm(m, n, k, bufs[0], Affine(), lda, False, bufs[1], Affine(), ldb, True,
+                bufs[2], Affine(), ldc, alpha=alpha, beta=beta, panel=(rows, cols, lanes),
+                packed=False)
+    mb = ModuleBuilder({buf: i for i, buf in enumerate(bufs)})
+    mb.add_segment("seg", [Kernel("dot", Block((gemm,)))])
+    lib = target().compile(str(mb.module))
+    expected = c.astype(np.float64)
+    expected[:, :n] = (alpha * a[:, :k].astype(np.float64) @ b[:, :k].T.astype(np.float64)
+                       + beta * expected[:, :n])
+    table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lib.address("seg"))(ctypes.addressof(table))
+    np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
+    np.testing.assert_array_equal(c[:, n:], expected[:, n:])
+
+
+@pytest.mark.parametrize("lanes,registers", [(16, 32), (8, 16)])
+@pytest.mark.parametrize("m,n", [(64, 576), (128, 1152), (3, 5), (1, 40), (13, 2)])
+def test_dot_tile_fits_the_register_file(lanes, registers, m, n):
+    rows, cols = dot_tile(m, n, lanes, registers)
+    assert 1 <= rows <= min(m, MAX_ROWS) and 1 <= cols <= n
+    assert rows * cols + rows + 1 <= registers   # accumulators, A's vectors, one of B
 
 
 @pytest.mark.parametrize("bits,registers", [(256, 16), (512, 32), (128, 16)])
@@ -220,8 +261,9 @@ def test_window_tiles_are_multiplied_in_place_and_match_level_0(monkeypatch):
 
 def test_products_tiled_in_place_are_those_blas_would_pack_for_little_work():
     """Hand-built GEMMs through ``tile_in_place`` (32 registers of 512 bits, a 1 MiB L2 and
-    a 32 MiB shared cache): B read along its rows and an A that stays in cache get a tile;
-    B transposed, a matrix-vector product, an A over half the shared cache, and a
+    a 32 MiB shared cache): B read along its rows and an A that stays in cache get a tile,
+    and so do two operands along a long ``k`` (dot products); a short transposed B, a
+    matrix-vector product, an A over half the shared cache, and a
     transposed A walked over many rows and many steps of k stay with BLAS, as does
     everything with AVX2's 16 registers."""
     from latte.compiler.passes.pack import tile_in_place  # noqa: PLC0415
@@ -242,7 +284,10 @@ def test_products_tiled_in_place_are_those_blas_would_pack_for_little_work():
     assert tiled(gemm(256, 28, 2304))                        # deep weights, a few pixels
     assert tiled(gemm(576, 784, 64, trans_a=True))           # an input gradient: 64 steps
     assert not tiled(gemm(1024, 512, 1568, trans_a=True))    # many rows and many steps
-    assert not tiled(gemm(64, 896, 27, trans_b=True))
+    assert not tiled(gemm(64, 896, 27, trans_b=True))        # 27 steps of k: BLAS
+    assert tiled(gemm(64, 576, 448, trans_b=True))           # a weight gradient: dot products
+    assert not tiled(gemm(64, 576, 448, trans_a=True, trans_b=True))
+    assert not tiled(gemm(512, 4608, 3136, trans_b=True))    # neither operand fits the L2
     assert not tiled(gemm(1, 896, 27)) and not tiled(gemm(64, 1, 27))
     assert not tiled(gemm(2048, 64, 4096))                   # A: 32 MiB
     assert not tiled(gemm(64, 896, 27), registers=16)

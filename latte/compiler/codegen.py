@@ -129,7 +129,8 @@ class ModuleBuilder:
     def tiled_product(self, g: Gemm) -> ir.Function:
         """The register-tiled product ``g`` as a function of its A, B and C pointers, one per
         module for all products alike (never inlined: compiled once)."""
-        key = (g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.alpha, g.beta, g.trans_a, g.packed, g.panel)
+        key = (g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.alpha, g.beta, g.trans_a, g.trans_b, g.packed,
+               g.panel)
         fn = self._tiled.get(key)
         if fn is None:
             fn = self._tiled[key] = self.function(f"tiled{len(self._tiled)}", 3, [])

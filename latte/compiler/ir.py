@@ -296,8 +296,8 @@ class Gemm(Stmt):
     ``b_off`` as ``[ceil(n / cols)][k][cols]``, the last panel zero-padded (``ldb`` is
     ``cols``, ``trans_b`` False), and the product computed ``rows x cols`` at a time in
     vectors of ``lanes`` floats (:mod:`latte.compiler.microkernel`) instead of by BLAS.
-    With ``packed`` False the tiled product reads B in place (rows ``ldb`` apart, not
-    transposed).
+    With ``packed`` False the tiled product reads B in place (rows ``ldb`` apart), or, with
+    ``trans_b``, computes ``rows x cols`` dot products along ``k`` at a time.
     """
 
     m: int

@@ -13,6 +13,11 @@ The tile is chosen for the host's vector registers (:func:`tile`); a last partia
 ``n`` is computed whole over the zero padding and stored lane by lane, a last partial group
 of rows by a smaller tile. A B read in place has no padding: the last partial panel loads
 only the lanes that lie in B.
+
+A product whose operands both run along ``k`` (B read transposed: a convolution's weight
+gradient, output gradient times gathered windows, pixels innermost in both) is computed as
+``rows x cols`` dot products instead (:func:`emit_dot`), each a vector of partial sums summed
+across its lanes once at the end: BLAS packs (transposes) both operands at every call.
 """
 
 from __future__ import annotations
@@ -46,13 +51,33 @@ def tile(m: int, n: int, k: int, lanes: int, registers: int, panel_bytes: int
     return None if best is None else best[1]
 
 
+def dot_tile(m: int, n: int, lanes: int, registers: int) -> tuple[int, int]:
+    """``(rows, cols)`` of the register tile of a product whose operands both run along
+    ``k`` (:func:`emit_dot`): ``rows * cols`` accumulators, the ``rows`` vectors of A and one
+    of B fit in ``registers``; the most FMAs per vector loaded over the work in whole
+    tiles, then the most accumulators."""
+    best = None
+    for rows in range(1, min(m, MAX_ROWS) + 1):
+        for cols in range(1, min(n, registers) + 1):
+            if rows * cols + rows + 1 > registers:
+                continue
+            whole = (m // rows * rows) * (n // cols * cols) / (m * n)
+            key = (round(rows * cols / (rows + cols) * whole, 2), rows * cols)
+            if best is None or key > best[0]:
+                best = (key, (rows, cols))
+    return best[1]
+
+
 def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Function,
          counted) -> None:
     """The product ``g`` (a :class:`~latte.compiler.ir.Gemm` with a ``panel``), with ``a``,
     ``bp`` and ``c`` pointing at its A, B and C blocks; ``fma``: ``llvm.fma`` on vectors of
     ``g.panel[2]`` floats; ``counted(name, lo, hi, body)``: codegen's loop. B is packed
     (panels ``k * cols`` apart, rows ``cols``) or read in place (panels ``cols`` apart,
-    rows ``ldb``)."""
+    rows ``ldb``); B read transposed in place: :func:`emit_dot`."""
+    if g.trans_b:
+        emit_dot(b, g, a, bp, c, fma, counted)
+        return
     rows, cols, lanes = g.panel
     full, tail = divmod(g.n, cols)
     panel_size = g.k * cols if g.packed else cols
@@ -149,6 +174,135 @@ def _store(b, g, at, acc, count: int, fma) -> None:
         if g.beta != 0.0:
             x = b.fadd(x, b.fmul(ir.Constant(F32, g.beta), b.load(ptr)))
         b.store(x, ptr)
+
+
+def emit_dot(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Function,
+             counted) -> None:
+    """``C (=|+=) A @ B^T`` where A (``m x k``) and B (``n x k``) both run along ``k``, as
+    a convolution's weight gradient reads the output gradient and the gathered windows
+    (pixels innermost in both): ``rows x cols`` dot products at a time, each accumulated in
+    a vector of ``lanes`` partial sums over ``k`` and summed across lanes at the end. The
+    operand with more rows is walked in the outer loop, so that its block stays in the
+    first-level cache while the other operand's blocks stream past."""
+    rows, cols, lanes = g.panel
+
+    def runs(total: int, size: int) -> list:
+        """``(first, count, size)``: the whole tiles of ``size``, then the partial one."""
+        whole, rest = divmod(total, size)
+        return [(0, whole, size)] * bool(whole) + [(whole * size, 1, rest)] * bool(rest)
+
+    def at(first: int, i, size: int):
+        return b.add(b.mul(i, _i64(size)), _i64(first))
+
+    def sweep(outer: list, inner: list, tile) -> None:
+        for o_first, o_count, o_size in outer:
+            for i_first, i_count, i_size in inner:
+                def row(p, o_first=o_first, o_size=o_size, i_first=i_first, i_size=i_size,
+                        i_count=i_count):
+                    _loop(b, counted, "mk.inner", i_count, lambda q: tile(
+                        at(o_first, p, o_size), at(i_first, q, i_size), o_size, i_size))
+                _loop(b, counted, "mk.outer", o_count, row)
+
+    def dot(i, j, r: int, s: int) -> None:
+        _dot_tile(b, g, a, bp, c, i, j, r, s, fma)
+
+    if g.n >= g.m:   # columns outside: B's rows stay in L1 while A's blocks stream
+        sweep(runs(g.n, cols), runs(g.m, rows), lambda j, i, s, r: dot(i, j, r, s))
+    else:
+        sweep(runs(g.m, rows), runs(g.n, cols), dot)
+
+
+def _loop(b, counted, name: str, count: int, body) -> None:
+    """``body(i)`` for ``i`` in ``range(count)``: a loop, or straight code for one."""
+    if count == 1:
+        body(_i64(0))
+    else:
+        counted(name, _i64(0), _i64(count), body)
+
+
+def _dot_tile(b, g, a, bp, c, row, col, rows: int, cols: int, fma) -> None:
+    """``C[row:row + rows, col:col + cols] (=|+=) A[row:row + rows, :] @ B[col:col + cols, :]^T``."""
+    lanes = g.panel[2]
+    vec = ir.VectorType(F32, lanes)
+    a_rows = [b.gep(a, [b.mul(b.add(row, _i64(i)), _i64(g.lda))]) for i in range(rows)]
+    b_rows = [b.gep(bp, [b.mul(b.add(col, _i64(j)), _i64(g.ldb))]) for j in range(cols)]
+    whole, rest = divmod(g.k, lanes)
+    accs = [[ir.Constant(vec, None)] * cols for _ in range(rows)]
+
+    def step(at, count: int, accs):
+        """One vector of ``k`` from ``at``: ``count`` lanes of it lie in the operands."""
+        xs = [_load(b, b.gep(p, [at]), vec, count) for p in a_rows]
+        out = [list(r) for r in accs]
+        for j, p in enumerate(b_rows):
+            y = _load(b, b.gep(p, [at]), vec, count)
+            for i in range(rows):
+                out[i][j] = b.call(fma, [xs[i], y, accs[i][j]])
+        return out
+
+    if whole:
+        pre, loop, done = b.block, b.append_basic_block("mk.k"), b.append_basic_block("mk.sum")
+        b.branch(loop)
+        b.position_at_end(loop)
+        k = b.phi(I64, name="mk.kv")
+        k.add_incoming(_i64(0), pre)
+        phis = [[b.phi(vec) for _ in range(cols)] for _ in range(rows)]
+        for i in range(rows):
+            for j in range(cols):
+                phis[i][j].add_incoming(accs[i][j], pre)
+        nxt = step(b.mul(k, _i64(lanes)), lanes, phis)
+        for i in range(rows):
+            for j in range(cols):
+                phis[i][j].add_incoming(nxt[i][j], loop)
+        k_next = b.add(k, _i64(1))
+        k.add_incoming(k_next, loop)
+        b.cbranch(b.icmp_signed("<", k_next, _i64(whole)), loop, done)
+        b.position_at_end(done)
+        accs = nxt
+    if rest:
+        accs = step(_i64(whole * lanes), rest, accs)
+    sums = _lane_sums(b, [x for r in accs for x in r], lanes)
+    for i in range(rows):
+        line = b.gep(c, [b.add(b.mul(b.add(row, _i64(i)), _i64(g.ldc)), col)])
+        for j in range(cols):
+            ptr = b.gep(line, [_i64(j)])
+            x = sums[i * cols + j]
+            if g.alpha != 1.0:
+                x = b.fmul(ir.Constant(F32, g.alpha), x)
+            if g.beta != 0.0:
+                x = b.fadd(x, b.fmul(ir.Constant(F32, g.beta), b.load(ptr)))
+            b.store(x, ptr)
+
+
+def _lane_sums(b, vectors: list, lanes: int) -> list:
+    """The sum across the lanes of each vector, ``lanes`` vectors at a time by a transposing
+    tree: pairs of vectors trade halves of their lane groups and add (``lanes - 1`` adds
+    for ``lanes`` sums instead of ``lanes**2``)."""
+    zero = ir.Constant(vectors[0].type, None)
+    out = []
+    for first in range(0, len(vectors), lanes):
+        group = vectors[first:first + lanes]
+        # (vector, the vectors whose partial sums its lane groups hold, in order)
+        level = [(v, [i]) for i, v in enumerate(group)] + [(zero, [None])] * (lanes - len(group))
+        size = lanes
+        while size > 1:
+            half = size // 2
+            lo = [s * size + t for s in range(lanes // size) for t in range(half)]
+            hi = [i + half for i in lo]
+            level = [(b.fadd(_pick(b, x, y, lo), _pick(b, x, y, hi)), ox + oy)
+                     for (x, ox), (y, oy) in zip(level[0::2], level[1::2])]
+            size = half
+        ((total, owners),) = level
+        sums = {o: b.extract_element(total, _i64(lane)) for lane, o in enumerate(owners)
+                if o is not None}
+        out += [sums[i] for i in range(len(group))]
+    return out
+
+
+def _pick(b, x, y, lanes: list) -> ir.Value:
+    """``x``'s ``lanes`` followed by ``y``'s."""
+    n = len(lanes) * 2
+    return b.shuffle_vector(x, y, ir.Constant(ir.VectorType(ir.IntType(32), n),
+                                              lanes + [n + i for i in lanes]))
 
 
 def _splat(b, x: ir.Value, vec: ir.VectorType) -> ir.Value:

@@ -93,7 +93,8 @@ def fmt_stmt(s, indent: int = 0) -> list[str]:
         b = f"ldb={s.ldb}"
         if s.panel:   # the register-tiled product over a packed B, or B in place
             rows, cols, lanes = s.panel
-            call, ta = f"tiled_gemm({rows}x{cols} tiles of {lanes}-float vectors, ", ta
+            shape = f"{rows}x{cols} dot products" if s.trans_b else f"{rows}x{cols} tiles"
+            call, ta = f"tiled_gemm({shape} of {lanes}-float vectors, ", ta + tb * s.trans_b
             b = "packed" if s.packed else b
         else:
             call, ta = "sgemm(", ta + tb
