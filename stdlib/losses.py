@@ -54,7 +54,8 @@ class SoftmaxLoss(NormalizationEnsemble):
         idx = _labels(inputs[1], x.shape[1], f"loss {self.name!r}", valid)
         rows, best = np.arange(valid), x.argmax(axis=1)
         z = x.astype(np.float64)
-        z -= x[rows, best][:, None]   # exact in float64
+        with np.errstate(invalid="ignore"):   # inf - inf: the NaN loss check names it
+            z -= x[rows, best][:, None]   # exact in float64
         nll = -z[rows, idx]
         self.prob = np.exp(z, out=z)   # in place: the probabilities are its rows over their sums
         total = self.prob.sum(axis=1)
