@@ -9,15 +9,21 @@ import pytest
 from helpers import WeightedSumLoss
 
 from latte import Ensemble, Net, Neuron, Param, Phase, add_connections
-from latte.compiler.ir import Gemm, walk
+from latte.compiler.ir import Gemm, Ref, walk
 from latte.compiler.passes.tiling import is_batch_loop
 from latte.compiler.passes.winograd import match
 from latte.stdlib import ConvolutionLayer, MaxPoolingLayer, MemoryDataLayer, ReLULayer
 
 
-def _uses_winograd(net) -> bool:
+def _uses_winograd(net, phases=("forward", "backward", "test")) -> bool:
     return any(g.a_buf.key[0] == "derived" for p in net.program.plans
-               for k in p.kernels.values() for g in walk(k.body) if isinstance(g, Gemm))
+               for name, k in p.kernels.items() if name in phases
+               for g in walk(k.body) if isinstance(g, Gemm))
+
+
+def _backward_buffers(net) -> set[str]:
+    return {r.buffer.name for p in net.program.plans for r in walk(p.kernels["backward"].body)
+            if isinstance(r, Ref)}
 
 
 def _run(level: int, build, shape, batch: int, threads: int, seed: int = 0):
@@ -110,7 +116,7 @@ def test_what_winograd_does_not_take(kwargs, channels, size):
     kernel = 5 if kwargs.get("pad") == 2 and "dilation" not in kwargs else 3
     ConvolutionLayer("conv", net, x, 8, kernel, **kwargs)
     net.init()
-    assert not _uses_winograd(net)
+    assert not _uses_winograd(net, ("forward",))
     nests = [s for p in net.program.plans for s in p.kernels["forward"].body.stmts
              if is_batch_loop(s)]
     assert not any(match(s) for s in nests)
@@ -122,3 +128,47 @@ def test_test_phase_and_explain_name_it():
     net, _ = _run(3, _conv(8, 1), (8, 16, 16), 1, 1)
     assert "Winograd F(2x2, 3x3)" in explain_program(net.program)
     net.forward(Phase.TEST)   # the test program runs the same kernels
+
+
+def _conv_relu_conv_pool(net, x):
+    conv1 = ReLULayer("relu1", net, ConvolutionLayer("conv1", net, x, 10, 3, pad=1))
+    conv2 = ConvolutionLayer("conv2", net, conv1, 9, 3, pad=1)
+    return MaxPoolingLayer("pool", net, ReLULayer("relu2", net, conv2), 2)
+
+
+@pytest.mark.parametrize("shape,batch,threads,build", [
+    ((8, 16, 16), 1, 1, _conv(8, 1)),                # one convolution, its input's gradient
+    ((9, 17, 13), 2, 2, _conv(12, 1)),               # odd rows and columns: partial tiles
+    ((8, 24, 20), 3, 2, _conv_relu_conv_pool),       # at level 3 a fused group, skewed
+], ids=["one", "odd", "fused"])
+@pytest.mark.parametrize("level", [2, 3])
+def test_input_gradients_as_gathers_equal_level_0(level, shape, batch, threads, build):
+    """A same-size 3x3 convolution's input gradient is a forward convolution of the output
+    gradient with the flipped, transposed weights: Winograd computes it, no scatter-add."""
+    net, got = _run(level, build, shape, batch, threads)
+    names = _backward_buffers(net)
+    assert any("flipped" in n for n in names) and not any("scatter" in n for n in names)
+    assert _uses_winograd(net, ("backward",))
+    from latte.compiler.explain import explain_program
+
+    assert "input gradient as a gather" in explain_program(net.program)
+    _, want = _run(0, build, shape, batch, threads)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("kwargs,channels,size,off", [
+    ({"pad": 1}, 8, 16, True),              # LATTE_GATHER_GRADS=0
+    ({"stride": 2, "pad": 1}, 8, 16, False),
+    ({"pad": 0}, 8, 16, False),             # the input is larger than the output
+    ({"dilation": 2, "pad": 2}, 8, 16, False),
+    ({"pad": 1}, 8, 7, False),              # 7x7: too few tiles for Winograd
+], ids=["off", "stride", "unpadded", "dilation", "7x7"])
+def test_input_gradients_that_stay_scatters(monkeypatch, kwargs, channels, size, off):
+    if off:
+        monkeypatch.setenv("LATTE_GATHER_GRADS", "0")
+    build = lambda net, x: ConvolutionLayer("conv", net, x, 8, 3, **kwargs)  # noqa: E731
+    net, got = _run(2, build, (channels, size, size), 2, 2)
+    names = _backward_buffers(net)
+    assert not any("flipped" in n for n in names) and any("scatter" in n for n in names)
+    _, want = _run(0, build, (channels, size, size), 2, 2)
+    _close(got, want)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from latte.compiler import HostStep, Segment, TimeSteps
 from latte.compiler.autodiff import derived_backward, format_neuron
 from latte.compiler.fusion import planner_chain
-from latte.compiler.ir import Gemm, accesses, walk
+from latte.compiler.ir import Gemm, Ref, accesses, walk
 from latte.compiler.passes.tiling import FLOAT_BYTES
 from latte.compiler.planner import brainslug, occam
 from latte.compiler.printer import fmt_stmt, format_ir
@@ -190,6 +190,10 @@ def explain_program(program) -> str:
             if phase in BEFORE_LOOP.values():   # packing nests
                 continue
             out.append(f"  {phase}: {len(gemms)} GEMM match(es)")
+            if any(isinstance(r, Ref) and ".flipped" in r.buffer.name
+                   for r in walk(kernel.body)):
+                out.append("    input gradient as a gather: the output gradient convolved with "
+                           "the weights transposed and flipped (copied once per run)")
             if any(g.a_buf.key[0] == "derived" for g in gemms):
                 out.append("    Winograd F(2x2, 3x3): the 3x3 window as 16 GEMMs over transformed "
                            "4x4 tiles of the source (weights transformed once per run)")

@@ -339,7 +339,7 @@ def merge(group: Group, phase: str) -> Kernel:
         stmts = tuple(s for p in plans for s in p.kernels[phase].body.stmts)
         return replace(first, name=name, body=Block(stmts))
     lags = [group.lag(p, phase) for p in plans]
-    nests = [(lag, s) for p, lag in zip(plans, lags) for s in p.kernels[phase].body.stmts
+    nests = [(lag + _ahead(s), s) for p, lag in zip(plans, lags) for s in p.kernels[phase].body.stmts
              if tile_loop(s) is not None]
     split = _untiled([s for p in plans for s in p.kernels[phase].body.stmts])
     if split is None:
@@ -347,7 +347,7 @@ def merge(group: Group, phase: str) -> Kernel:
                            "tiles both before and after it (check mergeable() first)")
     before, after = split
     batch, tile = nests[0][1], nests[0][1].body.stmts[0]
-    skew = max(lags)
+    skew = max(lag for lag, _ in nests)
     body: list = []
     for lag, nest in nests:
         t = nest.body.stmts[0]
@@ -365,6 +365,13 @@ def merge(group: Group, phase: str) -> Kernel:
                     meta=tile.meta + (("skew", skew),))
     nest = replace(batch, body=Block((fused,)))
     return replace(first, name=name, body=Block((*before, nest, *after)))
+
+
+def _ahead(nest: Loop) -> int:
+    """Tiles a nest runs behind its member: one that reads rows past its tile of a gradient
+    the members before it write (an input gradient computed as a gather)."""
+    rows = dict(nest.meta).get("reads_ahead", 0)
+    return -(-rows // dict(tile_loop(nest).meta)["tile_size"])
 
 
 def mergeable(group: Group, phases: tuple = ("forward", "backward")) -> bool:

@@ -45,6 +45,7 @@ from latte.compiler.passes import (
     prune_dead_gradients,
     tile_loops,
 )
+from latte.compiler.passes.gather_grads import gather_input_grads
 from latte.compiler.passes.guards import split_guards
 from latte.compiler.passes.pack import pack_weights, tile_in_place
 from latte.compiler.passes.time_hoist import hoist_param_grads
@@ -322,6 +323,8 @@ STEPS = (
     Step("hoist_param_grads", 1, _hoist_param_grads, per_kernel=False),
     Step("plan_fusion", 3, _plan_fusion, per_kernel=False),
     Step("first_touch", 1, _first_touch, per_kernel=False),
+    # same-size stride-1 windows' input gradients: gathers (a transposed convolution)
+    Step("gather_grads", 2, lambda c, k: gather_input_grads(k, c.bufs, _grad_owners(c))),
     # row-plane tiles sized to the cache budget (or to the fused group's)
     Step("tile_loops", 2, lambda c, k: tile_loops(k, c.budget, _forced(c, k))),
     # 3x3 stride-1 windows through Winograd's transforms: 16 GEMMs over transformed tiles
@@ -352,6 +355,11 @@ STEPS = (
 # the kernels are verified after these steps (what the user wrote, what runs); with
 # LATTE_VERIFY=steps after every step, which names the step that broke an invariant
 VERIFIED_AFTER = ("synthesize", "schedule")
+
+
+def _grad_owners(c: Compilation) -> dict:
+    """Gradient buffer -> its ensemble (an in-place activation's: either of the two)."""
+    return {c.bufs.grad(e): e for e in c.net.ensembles}
 
 
 def _forced(c: Compilation, kernel: Kernel) -> tuple[int, int] | None:

@@ -234,3 +234,4 @@ def _recurrent(rng, net, name, src, pool):
 
 
 LAYERS.append(Layer("recurrent", lambda src: src.net.time_steps > 1 and src.size <= 16, _recurrent))
+

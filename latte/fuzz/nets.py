@@ -282,6 +282,30 @@ def _add_layers(rng, net, prefix: str, ens: list, readers: dict, sealed: set) ->
         ens.append(new)
 
 
+def _add_gathered(rng, net, prefix: str, inputs: list, ens: list, readers: dict) -> None:
+    """In a tenth of the cases with a wide image input: a 1x1 convolution to 8-9 channels,
+    half of the time a 2x2 max pooling, a same-size 3x3 convolution into 8-9 channels (its
+    input gradient a gather through Winograd's transforms at level 2+), and half of the
+    time a ReLU and another 3x3 convolution (at level 3 a skewed fused group, whose gather
+    reads the output gradient a tile ahead). Drawn from a stream of its own: the case's
+    other ensembles stay as they were."""
+    wide = [e for e in inputs if len(e.shape) == 3 and e.shape[1] >= 4 and e.shape[2] >= 64]
+    if not wide or rng.random() >= 0.1:
+        return
+    src = pick(rng, wide)
+    top = ConvolutionLayer(f"{prefix}g1x1", net, src, int(rng.integers(8, 10)), 1)
+    if rng.random() < 0.5:
+        top = MaxPoolingLayer(f"{prefix}gpool", net, top, 2)
+    top = ConvolutionLayer(f"{prefix}g3x3", net, top, int(rng.integers(8, 10)), 3, pad=1,
+                           bias=bool(rng.random() < 0.5))
+    if rng.random() < 0.5:
+        top = ConvolutionLayer(f"{prefix}gnext", net, ReLULayer(f"{prefix}grelu", net, top),
+                               int(rng.integers(1, 3)), 3, pad=1)
+    readers[src.name] += 1
+    readers[top.name] = 0
+    ens.append(top)
+
+
 def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.0) -> Case:
     """Add case ``seed`` to ``net``: inputs, 2-4 layers, and a loss on every ensemble no
     layer reads. ``loss(net, name, ens)`` adds a loss over ``ens`` (default: softmax
@@ -330,6 +354,7 @@ def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.
         ens.append(new)
     _recur(rng, net, pending, ens, readers)
     _add_layers(np.random.default_rng([seed, 5]), net, p, ens, readers, sealed)
+    _add_gathered(np.random.default_rng([seed, 13]), net, p, case.inputs, ens, readers)
     sinks = [e for e in ens if readers[e.name] == 0 and e.name not in sealed
              and not isinstance(e, DataEnsemble)]
     for j, e in enumerate(sinks):

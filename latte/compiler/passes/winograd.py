@@ -97,8 +97,9 @@ class Conv:
 
 
 def winograd(kernel: Kernel, bufs) -> Kernel:
-    """Every matching nest of ``kernel`` (a forward) computed by Winograd F(2x2, 3x3)."""
-    if kernel.phase != "forward" or os.environ.get("LATTE_WINOGRAD") == "0":
+    """Every matching nest of ``kernel`` computed by Winograd F(2x2, 3x3) (in backward: an
+    input gradient computed as a gather, :mod:`~latte.compiler.passes.gather_grads`)."""
+    if os.environ.get("LATTE_WINOGRAD") == "0":
         return kernel
     stmts = []
     for k, s in enumerate(kernel.body.stmts):
