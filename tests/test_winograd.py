@@ -9,7 +9,7 @@ import pytest
 from helpers import WeightedSumLoss
 
 from latte import Ensemble, Net, Neuron, Param, Phase, add_connections
-from latte.compiler.ir import Gemm, Ref, walk
+from latte.compiler.ir import Gemm, Loop, LoopKind, Ref, walk
 from latte.compiler.passes.tiling import is_batch_loop
 from latte.compiler.passes.winograd import match
 from latte.stdlib import ConvolutionLayer, MaxPoolingLayer, MemoryDataLayer, ReLULayer
@@ -131,21 +131,28 @@ def test_test_phase_and_explain_name_it():
 
 
 def _conv_relu_conv_pool(net, x):
-    conv1 = ReLULayer("relu1", net, ConvolutionLayer("conv1", net, x, 10, 3, pad=1))
-    conv2 = ConvolutionLayer("conv2", net, conv1, 9, 3, pad=1)
+    conv1 = ReLULayer("relu1", net, ConvolutionLayer("conv1", net, x, 16, 3, pad=1))
+    conv2 = ConvolutionLayer("conv2", net, conv1, 16, 3, pad=1)
     return MaxPoolingLayer("pool", net, ReLULayer("relu2", net, conv2), 2)
 
 
 @pytest.mark.parametrize("shape,batch,threads,build", [
     ((8, 16, 16), 1, 1, _conv(8, 1)),                # one convolution, its input's gradient
     ((9, 17, 13), 2, 2, _conv(12, 1)),               # odd rows and columns: partial tiles
-    ((8, 24, 20), 3, 2, _conv_relu_conv_pool),       # at level 3 a fused group, skewed
+    ((16, 48, 64), 2, 2, _conv_relu_conv_pool),      # at level 3 a fused group, 12 tiles
 ], ids=["one", "odd", "fused"])
 @pytest.mark.parametrize("level", [2, 3])
 def test_input_gradients_as_gathers_equal_level_0(level, shape, batch, threads, build):
     """A same-size 3x3 convolution's input gradient is a forward convolution of the output
-    gradient with the flipped, transposed weights: Winograd computes it, no scatter-add."""
+    gradient with the flipped, transposed weights: Winograd computes it, no scatter-add. In
+    the fused group conv2's gather reads the gradient relu1's tiles write one row past its
+    own tile, and runs a tile behind (the skew grows from 1 to 2)."""
     net, got = _run(level, build, shape, batch, threads)
+    if build is _conv_relu_conv_pool and level == 3:
+        (group,) = net.program.groups
+        tile = next(s for s in walk(group.owner("backward").kernels["backward"].body)
+                    if isinstance(s, Loop) and s.kind is LoopKind.TILE_OUTER)
+        assert dict(tile.meta)["skew"] == 2 and tile.extent == 14
     names = _backward_buffers(net)
     assert any("flipped" in n for n in names) and not any("scatter" in n for n in names)
     assert _uses_winograd(net, ("backward",))

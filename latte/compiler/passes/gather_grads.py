@@ -74,8 +74,8 @@ def gather_input_grads(kernel: Kernel, bufs, sources: dict) -> Kernel:
 
 
 def _match(nest_: Loop, sources: dict):
-    """``(window loops, target, weight load, source ensemble, pads, dilations)`` if
-    ``nest_`` is a same-size stride-1 scatter (see the module's docstring)."""
+    """``(window loops, target, weight load, gradient load, source ensemble, pads,
+    dilations)`` if ``nest_`` is a same-size stride-1 scatter (the module's docstring)."""
     chain = ensemble_chain(nest_)
     dims = chain[1:]
     if len(dims) != 3 or [lp.axis.dim for lp in dims] != [0, 1, 2] or any(lp.start for lp in dims):
@@ -124,7 +124,7 @@ def _match(nest_: Loop, sources: dict):
     if (tn != Affine.of(n) or tc != Affine.of(c) or src.shape[0] != window[0].extent
             or (guard is not None and not _bounds_only(guard, ty, tx, src.shape))):
         return None
-    return window, target, weight, src, tuple(pads), tuple(dilations)
+    return window, target, weight, grads[0], src, tuple(pads), tuple(dilations)
 
 
 def _bounds_only(guard, ty: Affine, tx: Affine, shape) -> bool:
@@ -139,8 +139,8 @@ def _bounds_only(guard, ty: Affine, tx: Affine, shape) -> bool:
     return True
 
 
-def _rewrite(scatter: Loop, window: list, target: Ref, weight: Load, src, pads: tuple,
-             dilations: tuple, bufs, name: str) -> tuple[Loop, Loop]:
+def _rewrite(scatter: Loop, window: list, target: Ref, weight: Load, grad: Load, src,
+             pads: tuple, dilations: tuple, bufs, name: str) -> tuple[Loop, Loop]:
     """The nest copying the flipped, transposed weights, and the gather nest."""
     chain = ensemble_chain(scatter)
     (o_lp, y_lp, x_lp), (c_lp, i_lp, j_lp) = chain[1:], window
@@ -148,23 +148,20 @@ def _rewrite(scatter: Loop, window: list, target: Ref, weight: Load, src, pads: 
     c, i, j = c_lp.var, i_lp.var, j_lp.var
     kh, kw = i_lp.extent, j_lp.extent
     flipped = bufs.derived((name,), name, (c_lp.extent, o_lp.extent, kh, kw))
+    wt = Ref(flipped, (Affine.of(c), Affine.of(o), Affine.of(i), Affine.of(j)), flipped.shape)
     # wt[c, o, i, j] = w(o, c, kh-1-i, kw-1-j), read through the weight's own index
     flip = {i: Affine.of(i, -1, kh - 1), j: Affine.of(j, -1, kw - 1)}
     at = tuple(_subst(a, flip) for a in weight.ref.index)
     copy = nest([replace(c_lp, body=Block(())), replace(o_lp, axis=None, body=Block(())),
                  replace(i_lp, body=Block(())), replace(j_lp, body=Block(()))],
-                Assign(Ref(flipped, (Affine.of(c), Affine.of(o), Affine.of(i), Affine.of(j)),
-                           flipped.shape), Load(replace(weight.ref, index=at))))
+                Assign(wt, Load(replace(weight.ref, index=at))))
     # src.grad[n, c, y, x] += wt[c, o, i, j] * g[n, o, y + d*i - p, x + d*j - p] (inside)
     rows = [Affine.build({y: 1, i: dilations[0]}, -pads[0]),
             Affine.build({x: 1, j: dilations[1]}, -pads[1])]
-    g_load = _grad_load(scatter, weight)
-    read = replace(g_load.ref, index=(g_load.ref.index[0], Affine.of(o), *rows))
+    read = replace(grad.ref, index=(grad.ref.index[0], Affine.of(o), *rows))
     inside = conj([Compare(">=", rows[0], Const(0)), Compare("<", rows[0], Const(y_lp.extent)),
                    Compare(">=", rows[1], Const(0)), Compare("<", rows[1], Const(x_lp.extent))])
-    value = BinOp("*", Load(Ref(flipped, (Affine.of(c), Affine.of(o), Affine.of(i), Affine.of(j)),
-                                flipped.shape)),
-                  Select(inside, Load(read), Const(0.0)))
+    value = BinOp("*", Load(wt), Select(inside, Load(read), Const(0.0)))
     write = replace(target, index=(target.index[0], Affine.of(c), Affine.of(y), Affine.of(x)))
     loops = [replace(c_lp, axis=replace(o_lp.axis, ensemble=src, dim=0, ensemble_name=src.name)),
              replace(y_lp, axis=replace(y_lp.axis, ensemble=src, ensemble_name=src.name)),
@@ -174,14 +171,6 @@ def _rewrite(scatter: Loop, window: list, target: Ref, weight: Load, src, pads: 
     ahead = max(d * (k - 1) - p for d, k, p in zip(dilations, (kh, kw), pads))
     return copy, replace(scatter, body=Block((gather,)),
                          meta=scatter.meta + (("reads_ahead", ahead),))
-
-
-def _grad_load(scatter: Loop, weight: Load) -> Load:
-    """The ensemble's own gradient load of the scatter's multiply-accumulate."""
-    leaf = ensemble_chain(scatter)[-1]
-    while not isinstance(leaf, AugAssign):
-        leaf = leaf.then.stmts[0] if isinstance(leaf, If) else leaf.body.stmts[0]
-    return leaf.value.rhs if leaf.value.lhs is weight else leaf.value.lhs
 
 
 def _subst(a: Affine, mapping: dict) -> Affine:
