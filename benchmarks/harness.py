@@ -111,6 +111,24 @@ def sgd_step(net):
     return step
 
 
+def torch_sgd_step(model, x, y, channels_last: bool):
+    """The same step in PyTorch eager (cross-entropy loss), as a function to time; with
+    ``channels_last`` the model and the batch ``x`` are converted to that layout first."""
+    import torch  # noqa: PLC0415
+
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=0.0005)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return step
+
+
 def torch_note(channels_last: bool) -> str:
     """The notes column of a PyTorch worker: its version and memory layout."""
     import torch  # noqa: PLC0415

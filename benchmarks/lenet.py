@@ -35,6 +35,7 @@ from harness import (  # noqa: E402
     sgd_step,
     table,
     torch_note,
+    torch_sgd_step,
     worker_args,
 )
 
@@ -94,18 +95,7 @@ def torch_worker(threads: int, repeat: int, warmup: int, channels_last: bool) ->
     model = nn.Sequential(nn.Conv2d(1, 20, 5), nn.MaxPool2d(2), nn.Conv2d(20, 50, 5),
                           nn.MaxPool2d(2), nn.Flatten(), nn.Linear(800, 500), nn.ReLU(),
                           nn.Linear(500, 10))
-    xb, yb = x[:BATCH].contiguous(), y[:BATCH]
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-        xb = xb.to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=0.0005)
-    loss_fn = nn.CrossEntropyLoss()
-
-    def step():
-        opt.zero_grad()
-        loss_fn(model(xb), yb).backward()
-        opt.step()
-
+    step = torch_sgd_step(model, x[:BATCH].contiguous(), y[:BATCH], channels_last)
     return {"step": median_ms(step, warmup=warmup, repeat=repeat), "note": torch_note(channels_last)}
 
 

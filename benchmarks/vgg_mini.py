@@ -31,6 +31,7 @@ from harness import (  # noqa: E402
     sgd_step,
     table,
     torch_note,
+    torch_sgd_step,
     worker_args,
 )
 
@@ -112,18 +113,7 @@ def torch_worker(threads: int, repeat: int, warmup: int, channels_last: bool) ->
     for a, b in zip(widths, widths[1:]):
         layers += [nn.Linear(a, b), nn.ReLU()]
     model = nn.Sequential(*layers, nn.Linear(widths[-1], CLASSES))
-    xb, yb = x[:BATCH].contiguous(), y[:BATCH]
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-        xb = xb.to(memory_format=torch.channels_last)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=0.0005)
-    loss_fn = nn.CrossEntropyLoss()
-
-    def step():
-        opt.zero_grad()
-        loss_fn(model(xb), yb).backward()
-        opt.step()
-
+    step = torch_sgd_step(model, x[:BATCH].contiguous(), y[:BATCH], channels_last)
     return {"step": median_ms(step, warmup=warmup, repeat=repeat), "note": torch_note(channels_last)}
 
 

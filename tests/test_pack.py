@@ -39,19 +39,23 @@ def _run_tiled(m, n, k, rows, cols, lanes, trans_a, alpha, beta, packed=True, se
     # B in place: rows wider than the block, the columns past it NaN
     p = _packed(b, cols) if packed else np.pad(b, ((0, 0), (0, 2)), constant_values=np.nan)
     ldb = cols if packed else n + 2
-    bufs = [Buffer(("A",), "A", a.shape), Buffer(("P",), "P", p.shape), Buffer(("C",), "C", c.shape)]
-    gemm = Gemm(m, n, k, bufs[0], Affine(), lda, trans_a, bufs[1], Affine(), ldb, False,
-                bufs[2], Affine(), ldc, alpha=alpha, beta=beta, panel=(rows, cols, lanes),
-                packed=packed)
-    mb = ModuleBuilder({buf: i for i, buf in enumerate(bufs)})
-    mb.add_segment("seg", [Kernel("tiled", Block((gemm,)))])
-    lib = target().compile(str(mb.module))
     op_a = (a[:, :m].T if trans_a else a[:, :k]).astype(np.float64)
     expected = c.astype(np.float64)
     expected[:, :n] = alpha * op_a @ b.astype(np.float64) + beta * expected[:, :n]
-    table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, p, c)))
-    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lib.address("seg"))(ctypes.addressof(table))
+    _multiply(lambda bufs: Gemm(m, n, k, bufs[0], Affine(), lda, trans_a, bufs[1], Affine(), ldb,
+                                False, bufs[2], Affine(), ldc, alpha=alpha, beta=beta,
+                                panel=(rows, cols, lanes), packed=packed), a, p, c)
     return c, expected
+
+
+def _multiply(gemm, a, b, c) -> None:
+    """Compile and run ``gemm(buffers)`` over the arrays ``a``, ``b`` and ``c`` (C in place)."""
+    bufs = [Buffer((x,), x, arr.shape) for x, arr in zip("ABC", (a, b, c))]
+    mb = ModuleBuilder({buf: i for i, buf in enumerate(bufs)})
+    mb.add_segment("seg", [Kernel("product", Block((gemm(bufs),)))])
+    lib = target().compile(str(mb.module))
+    table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lib.address("seg"))(ctypes.addressof(table))
 
 
 @pytest.mark.parametrize("m,n,k,rows,cols,lanes", [
@@ -88,18 +92,12 @@ def test_dot_products_match_numpy(m, n, k, rows, cols, lanes, alpha, beta):
     b = rng.standard_normal((n, ldb)).astype(np.float32)
     a[:, k:], b[:, k:] = np.nan, np.nan                  # past k: never read
     c = rng.standard_normal((m, ldc)).astype(np.float32)
-    bufs = [Buffer(("A",), "A", a.shape), Buffer(("B",), "B", b.shape), Buffer(("C",), "C", c.shape)]
-    gemm = Gemm(m, n, k, bufs[0], Affine(), lda, False, bufs[1], Affine(), ldb, True,
-                bufs[2], Affine(), ldc, alpha=alpha, beta=beta, panel=(rows, cols, lanes),
-                packed=False)
-    mb = ModuleBuilder({buf: i for i, buf in enumerate(bufs)})
-    mb.add_segment("seg", [Kernel("dot", Block((gemm,)))])
-    lib = target().compile(str(mb.module))
     expected = c.astype(np.float64)
     expected[:, :n] = (alpha * a[:, :k].astype(np.float64) @ b[:, :k].T.astype(np.float64)
                        + beta * expected[:, :n])
-    table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
-    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lib.address("seg"))(ctypes.addressof(table))
+    _multiply(lambda bufs: Gemm(m, n, k, bufs[0], Affine(), lda, False, bufs[1], Affine(), ldb,
+                                True, bufs[2], Affine(), ldc, alpha=alpha, beta=beta,
+                                panel=(rows, cols, lanes), packed=False), a, b, c)
     np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
     np.testing.assert_array_equal(c[:, n:], expected[:, n:])
 
