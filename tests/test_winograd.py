@@ -177,5 +177,6 @@ def test_input_gradients_that_stay_scatters(monkeypatch, kwargs, channels, size,
     net, got = _run(2, build, (channels, size, size), 2, 2)
     names = _backward_buffers(net)
     assert not any("flipped" in n for n in names) and any("scatter" in n for n in names)
+    assert not any("flipped" in b.name for b in net.program.buffers.buffers.values())
     _, want = _run(0, build, (channels, size, size), 2, 2)
     _close(got, want)

@@ -37,6 +37,7 @@ from latte.compiler.ir import (
     BinOp,
     Block,
     BoolOp,
+    Buffer,
     Compare,
     Const,
     If,
@@ -64,10 +65,14 @@ def gather_input_grads(kernel: Kernel, bufs, sources: dict) -> Kernel:
         if found is None:
             stmts.append(s)
             continue
-        copy, gather = _rewrite(s, *found, bufs, f"{kernel.name}.flipped{k}")
-        if winograd.match(gather) is None:   # as im2col + GEMM the gather gains nothing
+        name = f"{kernel.name}.flipped{k}"
+        # as im2col + GEMM the gather gains nothing: try it with a buffer the program does
+        # not allocate, keep it (and allocate the copy) where Winograd takes it
+        _, gather = _rewrite(s, *found, lambda shape, n=name: Buffer(("unallocated", n), n, shape))
+        if winograd.match(gather) is None:
             stmts.append(s)
             continue
+        copy, gather = _rewrite(s, *found, lambda shape, n=name: bufs.derived((n,), n, shape))
         copies.append(copy)
         stmts.append(gather)
     return replace(kernel, body=Block((*copies, *stmts))) if copies else kernel
@@ -140,14 +145,15 @@ def _bounds_only(guard, ty: Affine, tx: Affine, shape) -> bool:
 
 
 def _rewrite(scatter: Loop, window: list, target: Ref, weight: Load, grad: Load, src,
-             pads: tuple, dilations: tuple, bufs, name: str) -> tuple[Loop, Loop]:
-    """The nest copying the flipped, transposed weights, and the gather nest."""
+             pads: tuple, dilations: tuple, flipped_buffer) -> tuple[Loop, Loop]:
+    """The nest copying the flipped, transposed weights (into ``flipped_buffer(shape)``),
+    and the gather nest."""
     chain = ensemble_chain(scatter)
     (o_lp, y_lp, x_lp), (c_lp, i_lp, j_lp) = chain[1:], window
     o, y, x = o_lp.var, y_lp.var, x_lp.var
     c, i, j = c_lp.var, i_lp.var, j_lp.var
     kh, kw = i_lp.extent, j_lp.extent
-    flipped = bufs.derived((name,), name, (c_lp.extent, o_lp.extent, kh, kw))
+    flipped = flipped_buffer((c_lp.extent, o_lp.extent, kh, kw))
     wt = Ref(flipped, (Affine.of(c), Affine.of(o), Affine.of(i), Affine.of(j)), flipped.shape)
     # wt[c, o, i, j] = w(o, c, kh-1-i, kw-1-j), read through the weight's own index
     flip = {i: Affine.of(i, -1, kh - 1), j: Affine.of(j, -1, kw - 1)}
