@@ -315,6 +315,7 @@ def _inner_rows(kernel) -> dict[str, int]:
 
 def test_conv_relu_pool_fuses_with_tiles_scaled_by_the_pool_stride(monkeypatch):
     _set_l2(monkeypatch, SMALL_L2)
+    monkeypatch.setenv("LATTE_COALESCE", "0")   # keeps each tile's rows a loop of their own
     net = _pooled_conv(3, threads=2)
     live = _live(net)
     assert set(live) == {"conv+relu+pool.forward", "conv+relu+pool.backward"}
@@ -342,6 +343,7 @@ def test_conv_relu_pool_fuses_with_tiles_scaled_by_the_pool_stride(monkeypatch):
 def test_tiles_scale_by_the_product_of_the_strides(monkeypatch):
     """conv -> ReLU -> max-pool 2 -> mean-pool 2: a conv tile is four rows per mean row."""
     _set_l2(monkeypatch, SMALL_L2)
+    monkeypatch.setenv("LATTE_COALESCE", "0")   # keeps each tile's rows a loop of their own
     net = _pooled_conv(3, mean=True)
     assert set(_live(net)) == {"conv+relu+pool+mean.forward", "conv+relu+pool+mean.backward"}
     for kernel in _live(net).values():

@@ -3,6 +3,7 @@ interpreter that runs the IR before and after on numpy arrays."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -26,17 +27,26 @@ from latte.compiler.ir import (
     Kernel,
     Load,
     Loop,
+    LoopKind,
     Ref,
     Select,
     Var,
     walk,
 )
 from latte.compiler.passes import distribute_loops, match_gemm
+from latte.compiler.passes.coalesce import coalesce_loops
 from latte.compiler.passes.fuse import merge_pointwise
 from latte.compiler.passes.guards import split_guards
 from latte.compiler.passes.localize import _gemm_row
 from latte.compiler.passes.time_hoist import hoist_param_grads
-from latte.stdlib import ConvolutionLayer, MaxPoolingLayer, MemoryDataLayer
+from latte.stdlib import (
+    AddLayer,
+    BatchNormLayer,
+    ConvolutionLayer,
+    MaxPoolingLayer,
+    MemoryDataLayer,
+    ReLULayer,
+)
 
 # ---------------------------------------------------------------- a tiny IR interpreter
 
@@ -571,3 +581,95 @@ def test_a_padded_pooling_runs_its_interior_without_tests_and_computes_the_same(
                    and any(isinstance(m, Load) for m in walk(n)) for n in walk(kernel.body))
     np.testing.assert_array_equal(opt.value("pool"), base.value("pool"))
     np.testing.assert_array_equal(opt.grad("x"), base.grad("x"))
+
+
+# ---------------------------------------------------------------- loop coalescing
+
+def _affine_nest(loops, stmt) -> Kernel:
+    """``stmt`` under ``loops``: (var, start, stop) outermost first (serial loops)."""
+    body = Block((stmt,))
+    for var, start, stop in reversed(loops):
+        body = Block((Loop(var, start, stop, body),))
+    return Kernel("nest", body)
+
+
+def _loops(kernel: Kernel) -> list[tuple[str, int, int]]:
+    return [(n.var, n.start, n.stop) for n in walk(kernel) if isinstance(n, Loop)]
+
+
+def _scaled_rows(c: int = 4, h: int = 3, w: int = 5, rows=(0, 3), cols=(0, 5)) -> Kernel:
+    """``out[c, y, x] = s[c] * a[c, y, x] + b[c, y, x]``: a batch norm's shape of nest."""
+    s, a, b, out = _buf("s", c), _buf("a", c, h, w), _buf("b", c, h, w), _buf("out", c, h, w)
+    value = BinOp("+", BinOp("*", Load(_ref(s, "c")), Load(_ref(a, "c", "y", "x"))),
+                  Load(_ref(b, "c", "y", "x")))
+    return _affine_nest([("c", 0, c), ("y", *rows), ("x", *cols)],
+                        Assign(_ref(out, "c", "y", "x"), value))
+
+
+def test_rows_that_follow_each_other_in_every_buffer_become_one_loop():
+    before = _scaled_rows()
+    after = coalesce_loops(before)
+    # s[c] keeps the channel loop; the rows of a channel are one run of 15
+    assert _loops(after) == [("c", 0, 4), ("x", 0, 15)]
+    _same_result(before, after)
+    rows = _scaled_rows(rows=(1, 3))   # rows 1 and 2 of each channel: still one run
+    assert _loops(coalesce_loops(rows)) == [("c", 0, 4), ("x", 0, 10)]
+    _same_result(rows, coalesce_loops(rows))
+
+
+def test_a_nest_over_whole_buffers_merges_all_the_way_out():
+    a, out = _buf("a", 4, 3, 5), _buf("out", 4, 3, 5)
+    before = _affine_nest([("c", 0, 4), ("y", 0, 3), ("x", 0, 5)],
+                          AugAssign(_ref(out, "c", "y", "x"), "+", Load(_ref(a, "c", "y", "x"))))
+    after = coalesce_loops(before)
+    assert _loops(after) == [("x", 0, 60)]
+    _same_result(before, after)
+
+
+def test_coalescing_keeps_runs_with_gaps_tests_on_indices_and_collapsed_loops():
+    # part of each row (a guard split, a tile): the rows do not follow each other
+    part = _scaled_rows(cols=(1, 4))
+    assert coalesce_loops(part) == part
+    # the column index in a test
+    a, out = _buf("a", 3, 5), _buf("out", 3, 5)
+    tested = _affine_nest([("y", 0, 3), ("x", 0, 5)], Assign(
+        _ref(out, "y", "x"), Select(Compare(">=", Affine.of("x"), Const(1)),
+                                    Load(_ref(a, "y", "x")), Const(0.0))))
+    assert coalesce_loops(tested) == tested
+    # a transposed read: the inner index does not walk the buffer in order
+    flipped = _affine_nest([("y", 0, 5), ("x", 0, 5)], Assign(
+        _ref(_buf("o", 5, 5), "y", "x"), Load(_ref(_buf("t", 5, 5), "x", "y"))))
+    assert coalesce_loops(flipped) == flipped
+    # a parallel loop's collapsed nest keeps its shape
+    whole = _affine_nest([("y", 0, 3), ("x", 0, 5)], Assign(_ref(out, "y", "x"),
+                                                           Load(_ref(a, "y", "x"))))
+    par = Kernel("par", Block((dataclasses.replace(
+        whole.body.stmts[0], kind=LoopKind.PARALLEL, meta=(("collapse", 2),)),)))
+    assert coalesce_loops(par) == par
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_short_rows_of_an_elementwise_group_run_as_one_loop_and_compute_the_same(level):
+    """Batch norm + add + ReLU on 14 x 28 rows: each channel's rows one loop at every
+    level that optimizes, values and gradients equal to level 0's."""
+    def built(opt_level):
+        net = Net(2, opt_level=opt_level, num_threads=2 if opt_level >= 2 else 1)
+        x = MemoryDataLayer(net, "x", (6, 14, 28))
+        y = MemoryDataLayer(net, "y", (6, 14, 28))
+        bn = BatchNormLayer("bn", net, x)
+        WeightedSumLoss(net, "loss", ReLULayer("relu", net, AddLayer("add", net, bn, y)))
+        net.init()
+        rng = np.random.default_rng(5)
+        fill(net, x, rng)
+        fill(net, y, rng)
+        net.forward()
+        net.backward()
+        return net
+
+    base, opt = built(0), built(level)
+    runs = {n.extent for p in opt.program.plans for k in p.kernels.values()
+            for n in walk(k) if isinstance(n, Loop)}
+    assert 14 * 28 in runs or 6 * 14 * 28 in runs
+    for name in ("relu", "bn"):
+        np.testing.assert_allclose(opt.value(name), base.value(name), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(opt.grad("x"), base.grad("x"), rtol=1e-4, atol=1e-5)

@@ -45,6 +45,7 @@ from latte.compiler.passes import (
     prune_dead_gradients,
     tile_loops,
 )
+from latte.compiler.passes.coalesce import coalesce_loops
 from latte.compiler.passes.gather_grads import gather_input_grads
 from latte.compiler.passes.guards import split_guards
 from latte.compiler.passes.pack import pack_weights, tile_in_place
@@ -53,7 +54,14 @@ from latte.compiler.passes.unswitch import unswitch_neuron_loops
 from latte.compiler.passes.winograd import winograd
 from latte.compiler.passes.zero_init import fold_across
 from latte.compiler.printer import format_ir
-from latte.compiler.program import AFTER_LOOP, BEFORE_LOOP, EnsemblePlan, Program, Segment
+from latte.compiler.program import (
+    AFTER_LOOP,
+    BEFORE_LOOP,
+    EnsemblePlan,
+    Program,
+    Segment,
+    TimeSteps,
+)
 from latte.compiler.step_fusion import fuse_steps
 from latte.compiler.synthesis import synthesize
 from latte.compiler.verify import verify_kernel
@@ -306,6 +314,32 @@ def _schedule(c: Compilation) -> None:
                         fused_steps=c.fused_steps, joins=c.joins)
 
 
+def _coalesce_loops(c: Compilation) -> None:
+    """Every scheduled kernel and plan kernel with its coalescible loops merged (a kernel
+    two phases share stays shared)."""
+    done: dict[int, Kernel] = {}
+
+    def kernel(k: Kernel) -> Kernel:
+        if id(k) not in done:
+            done[id(k)] = coalesce_loops(k)
+        return done[id(k)]
+
+    def steps(items: list) -> list:
+        out = []
+        for s in items:
+            if isinstance(s, Segment):
+                s = Segment(s.name, tuple(kernel(k) for k in s.kernels))
+            elif isinstance(s, TimeSteps):
+                s = replace(s, steps=tuple(steps(list(s.steps))))
+            out.append(s)
+        return out
+
+    p = c.program
+    p.forward, p.backward, p.test = steps(p.forward), steps(p.backward), steps(p.test)
+    for plan in c.plans:
+        plan.kernels = {phase: kernel(k) for phase, k in plan.kernels.items()}
+
+
 STEPS = (
     Step("check_graph", 0, lambda c: check_graph(c.net), per_kernel=False),
     Step("analyze", 0, _analyze, per_kernel=False),
@@ -349,6 +383,9 @@ STEPS = (
     # a loop testing its index against padding: the tests only where they can fail
     Step("split_guards", 1, lambda c, k: split_guards(k)),
     Step("schedule", 0, _schedule, per_kernel=False),
+    # nested loops that walk every buffer as one run: one loop LLVM vectorizes whole (after
+    # the test forward's line buffers, which read the rows of the nests)
+    Step("coalesce_loops", 1, _coalesce_loops, per_kernel=False),
 )
 
 
