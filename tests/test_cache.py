@@ -345,6 +345,25 @@ def test_a_program_compiles_as_one_module_per_job_with_the_same_results(tmp_path
         np.testing.assert_array_equal(got, want)
 
 
+def test_the_unroll_threshold_keys_the_cache_and_leaves_results_alone(tmp_path, monkeypatch):
+    """LATTE_UNROLL_THRESHOLD changes the code LLVM makes: its own cache entry, the same
+    results up to rounding (unrolled sums vectorize in another order); a bad value is
+    named."""
+    monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
+    results, keys = {}, {}
+    for threshold in ("0", "300"):
+        monkeypatch.setenv("LATTE_UNROLL_THRESHOLD", threshold)
+        net, top = _repeated(3)
+        assert not net.program.library.from_cache
+        results[threshold], keys[threshold] = _outputs(net, top), net.program.library.key
+    assert keys["0"] != keys["300"]
+    for got, want in zip(results["0"], results["300"]):
+        assert_scaled_close(got, want, 1e-5, "unroll threshold 0 against 300")
+    monkeypatch.setenv("LATTE_UNROLL_THRESHOLD", "-1")
+    with pytest.raises(ValueError, match="LATTE_UNROLL_THRESHOLD='-1'"):
+        jit.unroll_threshold()
+
+
 def test_split_balances_modules_and_keeps_shared_kernels_together():
     bufs = [Buffer((f"e{i}", "value"), f"e{i}", (8,)) for i in range(8)]
     big = [_scale_kernel(f"b{i}", bufs[i], bufs[i + 1], f"b{i}", value=float(i)) for i in range(3)]

@@ -391,7 +391,7 @@ STEPS = (
 
 # the kernels are verified after these steps (what the user wrote, what runs); with
 # LATTE_VERIFY=steps after every step, which names the step that broke an invariant
-VERIFIED_AFTER = ("synthesize", "schedule")
+VERIFIED_AFTER = ("synthesize", "coalesce_loops")
 
 
 def _grad_owners(c: Compilation) -> dict:

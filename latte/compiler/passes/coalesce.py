@@ -40,18 +40,22 @@ def coalesce_loops(kernel: Kernel) -> Kernel:
 
 def _block(block: Block, collapsed: int) -> Block:
     only = collapsed if len(block.stmts) == 1 else 0
-    return Block(tuple(_stmt(s, only) for s in block.stmts))
+    stmts = tuple(_stmt(s, only) for s in block.stmts)
+    return block if all(a is b for a, b in zip(stmts, block.stmts)) else Block(stmts)
 
 
 def _stmt(s, collapsed: int):
     """``s`` with the loops in it coalesced; ``collapsed``: how many loops from here down
     belong to a parallel loop's collapsed nest."""
     if isinstance(s, If):
-        return replace(s, then=_block(s.then, 0), orelse=_block(s.orelse, 0))
+        then, orelse = _block(s.then, 0), _block(s.orelse, 0)
+        return s if then is s.then and orelse is s.orelse else replace(s, then=then, orelse=orelse)
     if not isinstance(s, Loop):
         return s
     inside = dict(s.meta).get("collapse", 1) - 1 if s.kind is LoopKind.PARALLEL else 0
-    s = replace(s, body=_block(s.body, max(collapsed - 1, inside)))
+    body = _block(s.body, max(collapsed - 1, inside))
+    if body is not s.body:
+        s = replace(s, body=body)
     if collapsed or s.kind is LoopKind.PARALLEL or len(s.body.stmts) != 1:
         return s
     inner = s.body.stmts[0]
