@@ -45,11 +45,11 @@ NO_GATHER = ",+prefer-no-gather,+prefer-no-scatter"
 
 def unroll_threshold() -> int:
     """The largest cost of an unrolled loop body LLVM's unroller accepts:
-    ``$LATTE_UNROLL_THRESHOLD``, else 50. O3's 300 grows the long functions of fused
-    training groups (window copies, scatter-adds) several times over for no measured gain;
-    at 50 a cold ResNet-50 compiles in 3/4 of the time and no zoo net, the MLP or the LSTM
-    runs slower (at 0, AlexNet's training step runs 1.25x slower)."""
-    text = os.environ.get("LATTE_UNROLL_THRESHOLD", "50")
+    ``$LATTE_UNROLL_THRESHOLD``, else 100. O3's 300 grows the long functions of fused
+    training groups (window copies, scatter-adds) several times over for no measured gain:
+    at 100 LLVM compiles ResNet-50's training program in 4/5 of the time, and no zoo net
+    runs slower (at 50 ResNet-18's training step ran 1-3% slower; at 0 AlexNet's 1.25x)."""
+    text = os.environ.get("LATTE_UNROLL_THRESHOLD", "100")
     if not text.isdigit():
         raise ValueError(f"LATTE_UNROLL_THRESHOLD={text!r}: expected a non-negative integer")
     return int(text)
