@@ -92,10 +92,13 @@ class Compilation:
     program: Program | None = None
 
     def kernels(self) -> list[Kernel]:
-        """Every ensemble kernel, then the scheduled ones (zeroing the gradients)."""
+        """Every ensemble kernel, then the scheduled ones no plan holds (zeroing the
+        gradients, the test forward's kernels with line buffers)."""
         found = [k for p in self.plans for k in p.kernels.values()]
         if self.program is not None:
-            found += [k for s in self.program.segments() for k in s.kernels if k.ensemble is None]
+            planned = {id(k) for k in found}
+            found += [k for s in self.program.segments() for k in s.kernels
+                      if id(k) not in planned]
         return found
 
 
