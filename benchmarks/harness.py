@@ -111,9 +111,10 @@ def sgd_step(net):
     return step
 
 
-def torch_sgd_step(model, x, y, channels_last: bool):
-    """The same step in PyTorch eager (cross-entropy loss), as a function to time; with
-    ``channels_last`` the model and the batch ``x`` are converted to that layout first."""
+def torch_sgd_timing(model, x, y, channels_last: bool, warmup: int, repeat: int) -> dict:
+    """The median ms of one SGD step of ``model`` in PyTorch eager (cross-entropy loss) on
+    the batch ``x``, ``y``, and the note naming the layout; with ``channels_last`` the model
+    and the batch are converted to that layout first."""
     import torch  # noqa: PLC0415
 
     if channels_last:
@@ -126,7 +127,7 @@ def torch_sgd_step(model, x, y, channels_last: bool):
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
-    return step
+    return {"step": median_ms(step, warmup=warmup, repeat=repeat), "note": torch_note(channels_last)}
 
 
 def torch_note(channels_last: bool) -> str:

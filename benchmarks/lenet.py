@@ -34,8 +34,7 @@ from harness import (  # noqa: E402
     serve_torch_or_latte,
     sgd_step,
     table,
-    torch_note,
-    torch_sgd_step,
+    torch_sgd_timing,
     worker_args,
 )
 
@@ -95,8 +94,7 @@ def torch_worker(threads: int, repeat: int, warmup: int, channels_last: bool) ->
     model = nn.Sequential(nn.Conv2d(1, 20, 5), nn.MaxPool2d(2), nn.Conv2d(20, 50, 5),
                           nn.MaxPool2d(2), nn.Flatten(), nn.Linear(800, 500), nn.ReLU(),
                           nn.Linear(500, 10))
-    step = torch_sgd_step(model, x[:BATCH].contiguous(), y[:BATCH], channels_last)
-    return {"step": median_ms(step, warmup=warmup, repeat=repeat), "note": torch_note(channels_last)}
+    return torch_sgd_timing(model, x[:BATCH].contiguous(), y[:BATCH], channels_last, warmup, repeat)
 
 
 def main() -> None:

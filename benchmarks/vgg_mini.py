@@ -30,8 +30,7 @@ from harness import (  # noqa: E402
     serve_torch_or_latte,
     sgd_step,
     table,
-    torch_note,
-    torch_sgd_step,
+    torch_sgd_timing,
     worker_args,
 )
 
@@ -113,8 +112,7 @@ def torch_worker(threads: int, repeat: int, warmup: int, channels_last: bool) ->
     for a, b in zip(widths, widths[1:]):
         layers += [nn.Linear(a, b), nn.ReLU()]
     model = nn.Sequential(*layers, nn.Linear(widths[-1], CLASSES))
-    step = torch_sgd_step(model, x[:BATCH].contiguous(), y[:BATCH], channels_last)
-    return {"step": median_ms(step, warmup=warmup, repeat=repeat), "note": torch_note(channels_last)}
+    return torch_sgd_timing(model, x[:BATCH].contiguous(), y[:BATCH], channels_last, warmup, repeat)
 
 
 def main() -> None:
