@@ -64,6 +64,8 @@ def _multiply(gemm, a, b, c) -> None:
     (5, 7, 3, 2, 16, 8),          # n below one vector
     (9, 40, 20, 6, 16, 8),        # AVX2-sized tiles
     (1, 33, 11, 1, 32, 16),       # one row
+    (50, 40, 30, 4, 32, 16),      # more rows than columns: row block by row block
+    (37, 20, 9, 5, 16, 8),        # the same, AVX2-sized, partial rows and panels
 ])
 @pytest.mark.parametrize("trans_a,alpha,beta", [(False, 1.0, 0.0), (True, 1.0, 1.0),
                                                 (False, 0.5, -2.0)])
@@ -120,6 +122,15 @@ def test_tile_fits_the_register_file_and_the_cache(bits, registers, m, n, k):
     assert cols % lanes == 0 and 1 <= rows <= min(m, MAX_ROWS)
     assert rows * vecs + vecs + 1 <= registers   # accumulators, B's vectors, a broadcast
     assert 4 * k * cols <= budget
+
+
+def test_b_in_place_gets_the_most_accumulators():
+    """Read in place, a last partial panel loads only the vectors that hold B's columns: its
+    width costs no padded work, so a Winograd product (512 channels x 98 tiles) gets a
+    tile of 24 or more accumulators, where 98 columns in panels of 80 would count as 160."""
+    rows, cols = tile(512, 98, 512, 16, 32, 1 << 20, in_place=True)
+    assert rows * cols // 16 >= 24
+    assert tile(512, 98, 512, 16, 32, 1 << 20) != (rows, cols)
 
 
 def test_no_tile_where_no_panel_fits_the_cache():

@@ -11,7 +11,7 @@ from helpers import WeightedSumLoss
 from latte import Ensemble, Net, Neuron, Param, Phase, add_connections
 from latte.compiler.ir import Gemm, Loop, LoopKind, Ref, walk
 from latte.compiler.passes.tiling import is_batch_loop
-from latte.compiler.passes.winograd import match
+from latte.compiler.passes.winograd import _plane, match
 from latte.stdlib import ConvolutionLayer, MaxPoolingLayer, MemoryDataLayer, ReLULayer
 
 
@@ -69,6 +69,15 @@ def test_winograd_equals_level_0(level, shape, batch, threads, build):
     assert _uses_winograd(net)
     _, want = _run(0, build, shape, batch, threads)
     _close(got, want)
+
+
+@pytest.mark.parametrize("size", [1, 16, 17, 4096, 64 * 64, 512 * 512, 10 ** 6 + 3])
+def test_transform_planes_lie_an_odd_number_of_lines_apart(size):
+    """The 16 planes of U, V and M: aligned, at least ``size`` floats, an odd number of
+    64-byte lines apart, so that no two of them share a cache set at the same index."""
+    stride = _plane(size)
+    assert stride >= size and stride % 16 == 0 and (stride // 16) % 2 == 1
+    assert len({(e * stride * 4 // 64) % 64 for e in range(16)}) == 16
 
 
 def test_winograd_can_be_turned_off(monkeypatch):

@@ -29,20 +29,25 @@ F32, I64 = ir.FloatType(), ir.IntType(64)
 MAX_ROWS = 8   # more rows of A broadcast per step outrun the first-level cache's streams
 
 
-def tile(m: int, n: int, k: int, lanes: int, registers: int, panel_bytes: int
-         ) -> tuple[int, int] | None:
+def tile(m: int, n: int, k: int, lanes: int, registers: int, panel_bytes: int,
+         in_place: bool = False) -> tuple[int, int] | None:
     """``(rows, cols)`` of the register tile for an ``m x n`` product over ``k``:
     ``rows * cols / lanes`` accumulators, plus the panel's vectors and a broadcast, fit in
     ``registers``, and a panel (``k x cols`` floats) in ``panel_bytes``; among those, the
     least padded work, then the most accumulators (which hide the FMA latency), then the
-    fewest loads per FMA, then the widest panel. None if no panel fits."""
+    fewest loads per FMA, then the widest panel. None if no panel fits. A packed panel is
+    computed whole over its zero padding, one read ``in_place`` only to the vector that holds
+    its last column, and rows left over by whole tiles by a smaller one (no padding)."""
     best = None
     for rows in range(1, min(m, MAX_ROWS) + 1):
         for vecs in range(1, 7):
             cols = vecs * lanes
             if rows * vecs + vecs + 1 > registers or 4 * k * cols > panel_bytes:
                 continue
-            padded = -(-m // rows) * rows * -(-n // cols) * cols
+            if in_place:
+                padded = m * -(-n // lanes) * lanes
+            else:
+                padded = -(-m // rows) * rows * -(-n // cols) * cols
             useful = m * n / padded
             full = min(rows * vecs, registers // 2) / (registers // 2)
             key = (round(useful * full, 2), rows * vecs, -(rows + vecs), vecs)
@@ -74,36 +79,48 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
     ``bp`` and ``c`` pointing at its A, B and C blocks; ``fma``: ``llvm.fma`` on vectors of
     ``g.panel[2]`` floats; ``counted(name, lo, hi, body)``: codegen's loop. B is packed
     (panels ``k * cols`` apart, rows ``cols``) or read in place (panels ``cols`` apart,
-    rows ``ldb``); B read transposed in place: :func:`emit_dot`."""
+    rows ``ldb``); B read transposed in place: :func:`emit_dot`. Where A has more rows than
+    B has columns and is read along its rows, the tiles go row block by row block, so that
+    the larger operand is read once, each block staying in L1 over every panel (A read
+    transposed spreads a block over ``k`` lines: those products ran slower so); else panel
+    by panel, each staying in cache over every row block."""
     if g.trans_b:
         emit_dot(b, g, a, bp, c, fma, counted)
         return
     rows, cols, lanes = g.panel
     full, tail = divmod(g.n, cols)
+    whole, rest = divmod(g.m, rows)
     panel_size = g.k * cols if g.packed else cols
 
-    def panels(count: int, first: int, width: int) -> None:
-        def one(p):
-            at = b.add(b.mul(p, _i64(panel_size)), _i64(first * panel_size))
-            col = b.add(b.mul(p, _i64(cols)), _i64(first * cols))
-            _row_tiles(b, g, a, b.gep(bp, [at]), c, col, width, fma, counted)
-        counted("mk.panel", _i64(0), _i64(count), one)
+    def tiles(p, first: int, width: int, row, height: int) -> None:
+        """The ``height`` rows from ``row`` times panel ``p + first`` (``width`` columns)."""
+        at = b.add(b.mul(p, _i64(panel_size)), _i64(first * panel_size))
+        col = b.add(b.mul(p, _i64(cols)), _i64(first * cols))
+        _tile(b, g, a, b.gep(bp, [at]), c, row, col, height, width, fma)
 
-    if full:
-        panels(full, 0, cols)
+    def panels(row, height: int) -> None:   # every panel, one row block
+        if full:
+            counted("mk.panel", _i64(0), _i64(full), lambda p: tiles(p, 0, cols, row, height))
+        if tail:
+            tiles(_i64(0), full, tail, row, height)
+
+    def row_blocks(p, first: int, width: int) -> None:   # every row block, one panel
+        if whole:
+            counted("mk.rows", _i64(0), _i64(whole),
+                    lambda t: tiles(p, first, width, b.mul(t, _i64(rows)), rows))
+        if rest:
+            tiles(p, first, width, _i64(whole * rows), rest)
+
+    if g.m > g.n and not g.trans_a:   # A the larger: a block of its rows stays in L1 over every panel
+        if whole:
+            counted("mk.rows", _i64(0), _i64(whole), lambda t: panels(b.mul(t, _i64(rows)), rows))
+        if rest:
+            panels(_i64(whole * rows), rest)
+        return
+    if full:   # B the larger: a panel stays in cache over every row block of A
+        counted("mk.panel", _i64(0), _i64(full), lambda p: row_blocks(p, 0, cols))
     if tail:
-        panels(1, full, tail)
-
-
-def _row_tiles(b, g, a, panel, c, col, width: int, fma, counted) -> None:
-    """Every row of C over the ``width`` columns from ``col``, ``rows`` at a time."""
-    rows = g.panel[0]
-    whole, rest = divmod(g.m, rows)
-    if whole:
-        counted("mk.rows", _i64(0), _i64(whole),
-                lambda t: _tile(b, g, a, panel, c, b.mul(t, _i64(rows)), col, rows, width, fma))
-    if rest:
-        _tile(b, g, a, panel, c, _i64(whole * rows), col, rest, width, fma)
+        row_blocks(_i64(0), full, tail)
 
 
 def _tile(b, g, a, panel, c, row, col, rows: int, width: int, fma) -> None:

@@ -110,7 +110,7 @@ def tile_in_place(kernel: Kernel, vector: tuple[int, int], l2: int, shared: int)
             return _dot(g, vector, l2)
         if 4 * g.m * g.k > shared // 2 or not _short_columns(g):
             return None
-        shape = tile(g.m, g.n, g.k, vector[0] // 32, vector[1], l2 // 2)
+        shape = tile(g.m, g.n, g.k, vector[0] // 32, vector[1], l2 // 2, in_place=True)
         return None if shape is None else replace(g, panel=(*shape, vector[0] // 32),
                                                   packed=False)
 

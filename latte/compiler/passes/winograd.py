@@ -17,7 +17,9 @@ The rewrite, for ``e`` the 16 positions of a 4x4 transformed tile:
   reaches past the source; the guards split off the interior as in data-copy), then
   ``V[e, c, p] = (B^T d B)[e]`` for the 4x4 patch ``d`` of ``P`` under each 2x2 output
   tile ``p``;
-- ``M[e] = U[e] @ V[e]``: 16 GEMMs, output channels x tiles, over the input channels;
+- ``M[e] = U[e] @ V[e]``: 16 GEMMs, output channels x tiles, over the input channels (the
+  16 planes of ``U``, ``V`` and ``M`` lie an odd number of cache lines apart: planes a
+  power of two apart put the 16 values a transform reads or writes in one cache set);
 - ``out[.., o, 2ty + i, 2tx + j] += (A^T M A)[i, j]``, guarded where a tile is partial
   (zero-init folding turns the four ``+=`` of a tile into stores where they cover the
   output).
@@ -199,9 +201,10 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
     th, tw = conv.tiles
     n_tiles = th * tw
     label = f"{key[0]}.winograd{key[1]}"
-    u = bufs.derived((*key, "U"), f"{label}.U", (TILES, o.extent, c.extent))
-    v = bufs.scratch((*key, "V"), f"{label}.V", (TILES, c.extent, n_tiles))
-    m = bufs.scratch((*key, "M"), f"{label}.M", (TILES, o.extent, n_tiles))
+    per = tuple(_plane(n) for n in (o.extent * c.extent, c.extent * n_tiles, o.extent * n_tiles))
+    u = bufs.derived((*key, "U"), f"{label}.U", (TILES, per[0]))
+    v = bufs.scratch((*key, "V"), f"{label}.V", (TILES, per[1]))
+    m = bufs.scratch((*key, "M"), f"{label}.M", (TILES, per[2]))
     names = NameGen()   # fresh names: none the nest uses
     names.used |= variables(conv.nest) | {n.var for n in walk(conv.nest) if isinstance(n, Loop)}
     ty, tx, e = names("_wy"), names("_wx"), names("_we")
@@ -212,8 +215,9 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
     body = [Assign(w[a][b], Load(substitute(conv.weight, {conv.ky: Affine((), a),
                                                           conv.kx: Affine((), b)})))
             for a in range(3) for b in range(3)]
-    body += [Assign(Ref(u, (Affine((), 4 * i + j), Affine.of(o.var), Affine.of(c.var)), u.shape),
-                    _combine(G[i], G[j], w)) for i in range(4) for j in range(4)]
+    at = Affine.build({o.var: c.extent, c.var: 1})
+    body += [Assign(Ref(u, (Affine((), 4 * i + j), at), u.shape), _combine(G[i], G[j], w))
+             for i in range(4) for j in range(4)]
     weights = _loops([o, c], body)
 
     # the source rows the tile reads, padded: P[c, r, q] (guards only here, split off the
@@ -227,12 +231,12 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
     copy = gather(order, at, _source(conv, r, q), loops)
     d = [[Load(Ref(padded, (Affine.of(TID), Affine.of(c.var), Affine.of(ty, 2) + a,
                             Affine.of(tx, 2) + b), padded.shape)) for b in range(4)] for a in range(4)]
-    body = [Assign(Ref(v, (Affine.of(TID), Affine((), 4 * i + j), Affine.of(c.var), tile_at),
-                       v.shape), _combine(BT[i], BT[j], d)) for i in range(4) for j in range(4)]
+    at = tile_at + Affine.of(c.var, n_tiles)
+    body = [Assign(Ref(v, (Affine.of(TID), Affine((), 4 * i + j), at), v.shape),
+                   _combine(BT[i], BT[j], d)) for i in range(4) for j in range(4)]
     inputs = _loops([c, _loop(ty, th), _loop(tx, tw)], body)
 
     # M[e] = U[e] @ V[e]
-    per = (o.extent * c.extent, c.extent * n_tiles, o.extent * n_tiles)
     gemm = Gemm(o.extent, n_tiles, c.extent,
                 u, Affine.of(e, per[0]), c.extent, False,
                 v, Affine.build({TID: TILES * per[1], e: per[1]}), n_tiles, False,
@@ -242,7 +246,7 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
     # out[.., o, 2ty + i, 2tx + j] += (A^T M A)[i, j]
     mm = [[Var(names(f"_wm{a}{b}")) for b in range(4)] for a in range(4)]
     body = [Assign(mm[a][b], Load(Ref(m, (Affine.of(TID), Affine((), 4 * a + b),
-                                          Affine.of(o.var), tile_at), m.shape)))
+                                          tile_at + Affine.of(o.var, n_tiles)), m.shape)))
             for a in range(4) for b in range(4)]
     for i in range(2):
         for j in range(2):
@@ -257,6 +261,14 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
     if conv.tile is not None:
         inner = Block((replace(conv.tile, body=inner),))
     return [weights, replace(conv.nest, body=inner)]
+
+
+def _plane(size: int) -> int:
+    """The stride of one of the 16 planes of ``size`` floats: whole cache lines, an odd
+    number of them, so that the 16 planes a transform writes (or reads) at one index fall in
+    16 different cache sets (planes a power of two apart would all share one set)."""
+    lines = -(-size // 16)
+    return 16 * (lines + 1 - lines % 2)
 
 
 def _loop(var: str, extent: int) -> Loop:
