@@ -5,12 +5,15 @@ between separate runs.
     python benchmarks/ab.py resnet50 [--var LATTE_PACK --values 0 1] [--mode inference]
                             [--threads 2] [--repeat 15] [--avx2]
     python benchmarks/ab.py mlp --mode training --var LATTE_DOT
+    python benchmarks/ab.py lstm --mode training --var LATTE_PACK
 
 Each net is compiled with ``--var`` set to one of ``--values`` (the compiler reads these
 variables as it compiles), then the two run in turn, ``--repeat`` times each (a batch-1
 test forward, or a batch-16 forward and backward; the MLP at its batch of 128), and the
-medians and their ratio are printed. ``--avx2`` compiles for an AVX2 host on this one: LLVM's target without
-AVX-512, tiles for 16 registers of 256 bits, OpenBLAS's Haswell kernels.
+medians and their ratio are printed. ``lstm`` and ``gru`` are the nets of
+``benchmarks/lstm.py``, in training a forward and a backward through their 50 steps.
+``--avx2`` compiles for an AVX2 host on this one: LLVM's target without AVX-512, tiles for
+16 registers of 256 bits, OpenBLAS's Haswell kernels.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.avx2:
         as_avx2()
+    from lstm import latte_net as latte_rnn  # noqa: PLC0415
     from mlp import BATCH, latte_mlp  # noqa: PLC0415
     from zoo import MODES, latte_net  # noqa: PLC0415
 
@@ -65,6 +69,7 @@ def main() -> None:
     for value in args.values:
         os.environ[args.var] = value
         net = (latte_mlp(BATCH, args.threads) if args.net == "mlp"
+               else latte_rnn(args.net, args.threads) if args.net in ("lstm", "gru")
                else latte_net(args.net, 224, MODES[args.mode], training, args.threads)[0])
         runs[value] = ((lambda n=net: (n.forward(), n.backward())) if training
                        else (lambda n=net: n.forward(Phase.TEST)))

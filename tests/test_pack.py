@@ -142,6 +142,15 @@ def test_an_lstm_step_gets_whole_tiles_on_avx512():
     assert 32 % rows == 0 and 1024 % cols == 0 and rows * cols // 16 >= 16
 
 
+@pytest.mark.parametrize("lanes,registers", [(16, 32), (8, 16)])
+@pytest.mark.parametrize("n,k", [(1024, 512), (512, 2048)])
+def test_packed_panels_get_the_tallest_tiles(lanes, registers, n, k):
+    """A packed panel is read from L2 again for every block of rows: an LSTM step's 32-row
+    products (forward and input gradient) take the tallest tiles, with no padding."""
+    rows, cols = tile(32, n, k, lanes, registers, 512 << 10)
+    assert rows == MAX_ROWS and n % cols == 0
+
+
 def _lstm(level: int, threads: int, batch: int = 13, hidden: int = 150) -> Net:
     net = Net(batch, time_steps=3, opt_level=level, num_threads=threads, seed=5)
     x = MemoryDataLayer(net, "x", (9,))
