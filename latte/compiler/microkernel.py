@@ -115,13 +115,13 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
         if rest:
             tiles(p, first, width, _i64(whole * rows), rest)
 
-    if g.m > g.n and not g.trans_a:   # A the larger: a block of its rows stays in L1 over every panel
+    if g.m > g.n and not g.trans_a:
         if whole:
             counted("mk.rows", _i64(0), _i64(whole), lambda t: panels(b.mul(t, _i64(rows)), rows))
         if rest:
             panels(_i64(whole * rows), rest)
         return
-    if full:   # B the larger: a panel stays in cache over every row block of A
+    if full:
         counted("mk.panel", _i64(0), _i64(full), lambda p: row_blocks(p, 0, cols))
     if tail:
         row_blocks(_i64(0), full, tail)
