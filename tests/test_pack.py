@@ -277,14 +277,17 @@ def test_window_tiles_are_multiplied_in_place_and_match_level_0(monkeypatch):
                     for g in walk(k.body) if isinstance(g, Gemm) and g.panel]
 
 
-def test_products_tiled_in_place_are_those_blas_would_pack_for_little_work():
+def test_products_tiled_in_place_are_those_blas_would_pack_for_little_work(monkeypatch):
     """Hand-built GEMMs through ``tile_in_place`` (32 registers of 512 bits, a 1 MiB L2 and
     a 32 MiB shared cache): B read along its rows and an A that stays in cache get a tile,
     and so do two operands along a long ``k`` (dot products); a short transposed B, a
     matrix-vector product, an A over half the shared cache, and a
     transposed A walked over many rows and many steps of k stay with BLAS, as does
-    everything with AVX2's 16 registers."""
+    everything with AVX2's 16 registers; a short transposed A is tiled where the micro-kernel
+    beats BLAS on this machine (``LATTE_TRANSPOSED_A`` decides here)."""
     from latte.compiler.passes.pack import tile_in_place  # noqa: PLC0415
+
+    monkeypatch.setenv("LATTE_TRANSPOSED_A", "1")
 
     def gemm(m, n, k, trans_a=False, trans_b=False):
         a = Buffer(("A",), "A", (m * k,))
@@ -309,3 +312,24 @@ def test_products_tiled_in_place_are_those_blas_would_pack_for_little_work():
     assert not tiled(gemm(1, 896, 27)) and not tiled(gemm(64, 1, 27))
     assert not tiled(gemm(2048, 64, 4096))                   # A: 32 MiB
     assert not tiled(gemm(64, 896, 27), registers=16)
+    monkeypatch.setenv("LATTE_TRANSPOSED_A", "0")
+    assert not tiled(gemm(576, 784, 64, trans_a=True)) and tiled(gemm(64, 896, 27))
+
+
+def test_transposed_a_in_place_is_measured_once_per_machine(monkeypatch, tmp_path):
+    """Whether the micro-kernel reads A transposed is timed against BLAS once (a real trial
+    gives a positive ratio), then read back from the cache in later processes."""
+    import latte.compiler.passes.pack as pack  # noqa: PLC0415
+
+    assert 0 < pack._time_transposed_a((512, 32), 1 << 20, runs=2) < float("inf")
+    monkeypatch.delenv("LATTE_TRANSPOSED_A", raising=False)
+    monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(pack, "_time_transposed_a", lambda v, l2: calls.append(1) or 1.25)
+    pack._measured_transposed_a.cache_clear()
+    assert pack.transposed_a_in_place((512, 32), 1 << 20) and calls == [1]
+    pack._measured_transposed_a.cache_clear()   # another process: the file answers
+    assert pack.transposed_a_in_place((512, 32), 1 << 20) and calls == [1]
+    assert len(list(tmp_path.glob("transposed-a-speedup-*.json"))) == 1
+    pack._measured_transposed_a.cache_clear()
+

@@ -5,7 +5,6 @@ against: one core's peak (:func:`peak`)."""
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import hashlib
 import json
@@ -134,22 +133,29 @@ def measure_sgemm(sizes: tuple[int, ...] = PEAK_SIZES, seconds: float = 1.0) -> 
 
 
 def peak(measure: Callable[[], float] = measure_sgemm) -> Peak:
-    """This machine's :class:`Peak`, measured (``measure()``: one core's GFLOP/s) the first
-    time and cached in the compile cache's folder, keyed by the CPU, its features and the
-    OpenBLAS build; later calls, in any process, read the file."""
+    """This machine's :class:`Peak` (``measure()``: one core's GFLOP/s), :func:`measured`."""
     info = host()
-    key = hashlib.sha256(json.dumps(info, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / f"peak-{key}.json"
     fields = {k: info[k] for k in ("cpu", "llvm_cpu", "vector_bits", "blas")}
+    return Peak(**fields, gflops=measured("gflops", measure, "peak"))
+
+
+def measured(name: str, measure: Callable[[], float], prefix: str | None = None) -> float:
+    """``measure()`` (a positive number) on this machine: measured the first time and cached
+    in the compile cache's folder as ``{prefix or name}-{key}.json``, keyed by the CPU, its
+    features and the OpenBLAS build; later calls, in any process, read the file (a damaged
+    one is measured again)."""
+    info = host()
+    key = hashlib.sha256(json.dumps({**info, "name": name}, sort_keys=True).encode()).hexdigest()
+    path = cache_dir() / f"{prefix or name}-{key[:16]}.json"
     try:
-        gflops = float(json.loads(path.read_text())["gflops"])
-        if math.isfinite(gflops) and gflops > 0:
-            return Peak(**fields, gflops=gflops)
+        value = float(json.loads(path.read_text())[name])
+        if math.isfinite(value) and value > 0:
+            return value
     except (OSError, ValueError, KeyError, TypeError):
         pass   # not measured yet, or a damaged file: measure again
-    result = Peak(**fields, gflops=float(measure()))
+    value = float(measure())
     try:
-        write_atomic(path, json.dumps(dataclasses.asdict(result), indent=1).encode())
+        write_atomic(path, json.dumps({**info, name: value}, indent=1).encode())
     except OSError:
         pass   # a read-only cache only costs a measurement next time
-    return result
+    return value

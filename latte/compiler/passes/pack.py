@@ -26,8 +26,10 @@ whose A and B both run along ``k`` (a convolution's weight gradient) run as dot 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import time
 from dataclasses import replace
 
 from latte.compiler.ir import (
@@ -44,6 +46,7 @@ from latte.compiler.ir import (
     Ref,
     rewrite,
 )
+from latte.compiler.machine import measured
 from latte.compiler.microkernel import dot_tile, tile
 from latte.compiler.passes.data_copy import nest, variables
 
@@ -94,8 +97,9 @@ def tile_in_place(kernel: Kernel, vector: tuple[int, int], l2: int, shared: int)
     call, which costs the most next to small products (a convolution's window tile: ``k``
     27 for an RGB 3x3 window, or a few pixels of a fused tile against a deep layer's
     weights). A is read again for every panel of B, so its block must fit half of the
-    ``shared`` (last-level) cache, and along its rows or in a short product (as for
-    packing); a panel must fit half the ``l2``. B read transposed, along ``k`` as A is (a
+    ``shared`` (last-level) cache, and along its rows, or transposed in a short product
+    where the micro-kernel beats BLAS on this machine (:func:`transposed_a_in_place`); a
+    panel must fit half the ``l2``. B read transposed, along ``k`` as A is (a
     convolution's weight gradient): dot products (:func:`_dot`). Matrix-vector products stay
     with BLAS, and so does everything on hosts with fewer than 32 vector registers: with
     AVX2's 16, B's panels read in place ran slower than OpenBLAS's Haswell kernels, and dot
@@ -108,7 +112,8 @@ def tile_in_place(kernel: Kernel, vector: tuple[int, int], l2: int, shared: int)
             return None
         if g.trans_b:
             return _dot(g, vector, l2)
-        if 4 * g.m * g.k > shared // 2 or not _short_columns(g):
+        if 4 * g.m * g.k > shared // 2 or not _short_columns(g) or (
+                g.trans_a and not transposed_a_in_place(vector, l2)):
             return None
         shape = tile(g.m, g.n, g.k, vector[0] // 32, vector[1], l2 // 2, in_place=True)
         return None if shape is None else replace(g, panel=(*shape, vector[0] // 32),
@@ -116,6 +121,77 @@ def tile_in_place(kernel: Kernel, vector: tuple[int, int], l2: int, shared: int)
 
     return replace(kernel, body=rewrite(kernel.body, lambda n: tiled(n) if isinstance(n, Gemm)
                                         else None))
+
+
+#: The product timed for :func:`transposed_a_in_place` (m, n, k): a 3x3 convolution's input
+#: gradient, its filters (256 x 1152 stored) read transposed times 196 pixels' gradients
+TRANSPOSED_A_TRIAL = (1152, 196, 256)
+
+
+def transposed_a_in_place(vector: tuple[int, int], l2: int) -> bool:
+    """Does the micro-kernel beat BLAS on A read transposed (each step of ``k`` moves ``lda``
+    floats on, a page apart in a convolution's input gradient) on this machine? It did on
+    an AMD EPYC (znver4), and ran ResNet-18's and ResNet-50's training steps 7% and 10%
+    slower than BLAS on an Intel Xeon (emeraldrapids), so it is measured once per machine
+    (:func:`~latte.compiler.machine.measured`: :data:`TRANSPOSED_A_TRIAL` on one thread,
+    both ways) and one process keeps one answer. ``LATTE_TRANSPOSED_A=0``/``1`` decides
+    without measuring."""
+    forced = os.environ.get("LATTE_TRANSPOSED_A")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return _measured_transposed_a(vector, l2)
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_transposed_a(vector: tuple[int, int], l2: int) -> bool:
+    return measured("transposed-a-speedup", lambda: _time_transposed_a(vector, l2)) > 1.0
+
+
+def _time_transposed_a(vector: tuple[int, int], l2: int, runs: int = 15) -> float:
+    """BLAS's time over the micro-kernel's (best runs, taken in turns) on the trial product."""
+    import ctypes  # noqa: PLC0415  (codegen and the JIT: only for this one measurement)
+
+    import numpy as np  # noqa: PLC0415
+
+    from latte.compiler.blas import blas  # noqa: PLC0415
+    from latte.compiler.codegen import ModuleBuilder  # noqa: PLC0415
+    from latte.compiler.jit import target  # noqa: PLC0415
+
+    m, n, k = TRANSPOSED_A_TRIAL
+    rng = np.random.default_rng(0)
+    a, b = rng.random((k, m), dtype=np.float32), rng.random((k, n), dtype=np.float32)
+    c = np.zeros((m, n), np.float32)
+    bufs = [Buffer((x,), x, arr.shape) for x, arr in zip("ABC", (a, b, c))]
+    shape = tile(m, n, k, vector[0] // 32, vector[1], l2 // 2, in_place=True)
+    g = Gemm(m, n, k, bufs[0], Affine(), m, True, bufs[1], Affine(), n, False, bufs[2], Affine(),
+             n, panel=(*shape, vector[0] // 32), packed=False)
+    builder = ModuleBuilder({buf: i for i, buf in enumerate(bufs)})
+    builder.add_segment("trial", [Kernel("trial", Block((g,)))])
+    library = target().compile(str(builder.module))
+    table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
+    tiled = functools.partial(ctypes.CFUNCTYPE(None, ctypes.c_void_p)(library.address("trial")),
+                              ctypes.addressof(table))
+    lib = blas()
+    sgemm = lib.scipy_cblas_sgemm
+    sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
+                                           ctypes.c_void_p, ctypes.c_int, ctypes.c_float,
+                                           ctypes.c_void_p, ctypes.c_int]
+    ptrs = [x.ctypes.data for x in (a, b, c)]
+    threads = lib.scipy_openblas_get_num_threads()
+    lib.scipy_openblas_set_num_threads(1)
+    best = {"blas": math.inf, "tiled": math.inf}
+    try:
+        for run in range(runs + 1):   # the first run of each warms up
+            for name, fn in (("blas", lambda: sgemm(101, 112, 111, m, n, k, 1.0, ptrs[0], m,
+                                                    ptrs[1], n, 0.0, ptrs[2], n)),
+                             ("tiled", tiled)):
+                start = time.perf_counter()
+                fn()
+                if run:
+                    best[name] = min(best[name], time.perf_counter() - start)
+    finally:
+        lib.scipy_openblas_set_num_threads(threads)
+    return best["blas"] / best["tiled"]
 
 
 def _dot(g: Gemm, vector: tuple[int, int], l2: int) -> Gemm | None:
