@@ -4,6 +4,7 @@ against: one core's peak (:func:`peak`)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -104,9 +105,9 @@ def _model_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure_sgemm(sizes: tuple[int, ...] = PEAK_SIZES, seconds: float = 1.0) -> float:
-    """GFLOP/s of OpenBLAS sgemm on one thread: the best run of square products of each
-    size (at least 3 runs each, more within ``seconds``; the best resists other load)."""
+@contextlib.contextmanager
+def one_blas_thread():
+    """OpenBLAS's ``cblas_sgemm`` (CBLAS arguments) with its pool held at one thread."""
     lib = blas()
     sgemm = lib.scipy_cblas_sgemm
     sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
@@ -114,8 +115,17 @@ def measure_sgemm(sizes: tuple[int, ...] = PEAK_SIZES, seconds: float = 1.0) -> 
                                            ctypes.c_void_p, ctypes.c_int]
     threads = lib.scipy_openblas_get_num_threads()
     lib.scipy_openblas_set_num_threads(1)
-    best = 0.0
     try:
+        yield sgemm
+    finally:
+        lib.scipy_openblas_set_num_threads(threads)
+
+
+def measure_sgemm(sizes: tuple[int, ...] = PEAK_SIZES, seconds: float = 1.0) -> float:
+    """GFLOP/s of OpenBLAS sgemm on one thread: the best run of square products of each
+    size (at least 3 runs each, more within ``seconds``; the best resists other load)."""
+    best = 0.0
+    with one_blas_thread() as sgemm:
         for n in sizes:
             a = np.random.default_rng(0).random((n, n), dtype=np.float32)
             c = np.empty_like(a)
@@ -127,8 +137,6 @@ def measure_sgemm(sizes: tuple[int, ...] = PEAK_SIZES, seconds: float = 1.0) -> 
                 if runs:
                     best = max(best, 2.0 * n ** 3 / (time.perf_counter() - start) / 1e9)
                 runs += 1
-    finally:
-        lib.scipy_openblas_set_num_threads(threads)
     return best
 
 

@@ -26,12 +26,16 @@ whose A and B both run along ``k`` (a convolution's weight gradient) run as dot 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import os
 import time
 from dataclasses import replace
 
+import numpy as np
+
+from latte.compiler.codegen import ModuleBuilder
 from latte.compiler.ir import (
     Affine,
     Assign,
@@ -46,7 +50,8 @@ from latte.compiler.ir import (
     Ref,
     rewrite,
 )
-from latte.compiler.machine import measured
+from latte.compiler.jit import target
+from latte.compiler.machine import measured, one_blas_thread
 from latte.compiler.microkernel import dot_tile, tile
 from latte.compiler.passes.data_copy import nest, variables
 
@@ -149,14 +154,6 @@ def _measured_transposed_a(vector: tuple[int, int], l2: int) -> bool:
 
 def _time_transposed_a(vector: tuple[int, int], l2: int, runs: int = 15) -> float:
     """BLAS's time over the micro-kernel's (best runs, taken in turns) on the trial product."""
-    import ctypes  # noqa: PLC0415  (codegen and the JIT: only for this one measurement)
-
-    import numpy as np  # noqa: PLC0415
-
-    from latte.compiler.blas import blas  # noqa: PLC0415
-    from latte.compiler.codegen import ModuleBuilder  # noqa: PLC0415
-    from latte.compiler.jit import target  # noqa: PLC0415
-
     m, n, k = TRANSPOSED_A_TRIAL
     rng = np.random.default_rng(0)
     a, b = rng.random((k, m), dtype=np.float32), rng.random((k, n), dtype=np.float32)
@@ -171,26 +168,17 @@ def _time_transposed_a(vector: tuple[int, int], l2: int, runs: int = 15) -> floa
     table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
     tiled = functools.partial(ctypes.CFUNCTYPE(None, ctypes.c_void_p)(library.address("trial")),
                               ctypes.addressof(table))
-    lib = blas()
-    sgemm = lib.scipy_cblas_sgemm
-    sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int,
-                                           ctypes.c_void_p, ctypes.c_int, ctypes.c_float,
-                                           ctypes.c_void_p, ctypes.c_int]
-    ptrs = [x.ctypes.data for x in (a, b, c)]
-    threads = lib.scipy_openblas_get_num_threads()
-    lib.scipy_openblas_set_num_threads(1)
     best = {"blas": math.inf, "tiled": math.inf}
-    try:
+    with one_blas_thread() as sgemm:
+        products = (("blas", lambda: sgemm(101, 112, 111, m, n, k, 1.0, a.ctypes.data, m,
+                                           b.ctypes.data, n, 0.0, c.ctypes.data, n)),
+                    ("tiled", tiled))
         for run in range(runs + 1):   # the first run of each warms up
-            for name, fn in (("blas", lambda: sgemm(101, 112, 111, m, n, k, 1.0, ptrs[0], m,
-                                                    ptrs[1], n, 0.0, ptrs[2], n)),
-                             ("tiled", tiled)):
+            for name, product in products:
                 start = time.perf_counter()
-                fn()
+                product()
                 if run:
                     best[name] = min(best[name], time.perf_counter() - start)
-    finally:
-        lib.scipy_openblas_set_num_threads(threads)
     return best["blas"] / best["tiled"]
 
 
