@@ -109,10 +109,11 @@ def remove_temps(folder: Path, target: str, older_than: float = 0.0) -> None:
             pass
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, replace: bool = True) -> None:
     """Write ``data`` to ``path`` through a fsync'd temporary file in the same directory and
-    ``os.replace``: readers see the old file or the new one, whole. The temporary file is
-    removed if anything fails."""
+    ``os.replace``: readers see the old file or the new one, whole. With ``replace`` False
+    an existing file stays (``FileExistsError``): the first writer wins. The temporary file
+    is removed if anything fails."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -120,7 +121,11 @@ def write_atomic(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)
+            os.unlink(tmp)
     except BaseException:
         try:
             os.unlink(tmp)

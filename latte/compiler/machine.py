@@ -151,19 +151,32 @@ def measured(name: str, measure: Callable[[], float], prefix: str | None = None)
     """``measure()`` (a positive number) on this machine: measured the first time and cached
     in the compile cache's folder as ``{prefix or name}-{key}.json``, keyed by the CPU, its
     features and the OpenBLAS build; later calls, in any process, read the file (a damaged
-    one is measured again)."""
+    one is measured again). Processes that measure at once all take the first value
+    written, so that they make the same choices."""
     info = host()
     key = hashlib.sha256(json.dumps({**info, "name": name}, sort_keys=True).encode()).hexdigest()
     path = cache_dir() / f"{prefix or name}-{key[:16]}.json"
-    try:
+
+    def stored() -> float | None:
         value = float(json.loads(path.read_text())[name])
-        if math.isfinite(value) and value > 0:
-            return value
+        return value if math.isfinite(value) and value > 0 else None
+
+    try:
+        found = stored()
+        if found is not None:
+            return found
+        damaged = True
+    except FileNotFoundError:
+        damaged = False
     except (OSError, ValueError, KeyError, TypeError):
-        pass   # not measured yet, or a damaged file: measure again
+        damaged = True   # measure again, and replace it
     value = float(measure())
     try:
-        write_atomic(path, json.dumps({**info, name: value}, indent=1).encode())
+        write_atomic(path, json.dumps({**info, name: value}, indent=1).encode(), replace=damaged)
+        return value
     except OSError:
-        pass   # a read-only cache only costs a measurement next time
-    return value
+        pass   # another process wrote it meanwhile, or a read-only cache
+    try:
+        return stored() or value
+    except (OSError, ValueError, KeyError, TypeError):
+        return value
