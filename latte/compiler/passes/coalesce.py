@@ -27,7 +27,8 @@ from latte.compiler.ir import (
     Ref,
     Var,
     children,
-    map_children,
+    rewrite,
+    substitute,
 )
 
 
@@ -71,17 +72,13 @@ def _merged(outer: Loop, inner: Loop) -> Loop | None:
         return None
     shift = {a: Affine(const=outer.start), b: Affine.of(b, 1, inner.start)}
 
-    def flat(ref: Ref) -> Ref:
-        off = ref.offset()
-        if not off.vars & {a, b}:
-            return ref
-        moved = Affine.build({v: c for v, c in off.terms if v not in shift}, off.const)
-        for v, c in off.terms:
-            if v in shift:
-                moved = moved + shift[v] * c
-        return Ref(ref.buffer, (moved,), (ref.buffer.size,))
+    def flat(node) -> Ref | None:
+        off = node.offset() if isinstance(node, Ref) else None
+        if off is None or not off.vars & {a, b}:
+            return None
+        return Ref(node.buffer, (substitute(off, shift),), (node.buffer.size,))
 
-    return replace(inner, start=0, stop=outer.extent * extent, body=_refs(inner.body, flat))
+    return replace(inner, start=0, stop=outer.extent * extent, body=rewrite(inner.body, flat))
 
 
 def _coalescible(body: Block, a: str, b: str, extent: int) -> bool:
@@ -103,10 +100,3 @@ def _coalescible(body: Block, a: str, b: str, extent: int) -> bool:
             continue
         stack.extend(children(node))
     return True
-
-
-def _refs(node, fn):
-    """``node`` with ``fn`` applied to every affine reference in it."""
-    if isinstance(node, Ref) and node.offset() is not None:
-        return fn(node)
-    return map_children(node, lambda c: _refs(c, fn))
