@@ -136,7 +136,7 @@ TRANSPOSED_A_TRIAL = (1152, 196, 256)
 def transposed_a_in_place(vector: tuple[int, int], l2: int) -> bool:
     """Does the micro-kernel beat BLAS on A read transposed (each step of ``k`` moves ``lda``
     floats on, a page apart in a convolution's input gradient) on this machine? It did on
-    an AMD EPYC (znver4), and ran ResNet-18's and ResNet-50's training steps 7% and 10%
+    an AMD EPYC (znver4), and ran ResNet-18's and ResNet-50's training steps 5% and 6%
     slower than BLAS on an Intel Xeon (emeraldrapids), so it is measured once per machine
     (:func:`~latte.compiler.machine.measured`: :data:`TRANSPOSED_A_TRIAL` on one thread,
     both ways) and one process keeps one answer. ``LATTE_TRANSPOSED_A=0``/``1`` decides
