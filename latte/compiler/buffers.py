@@ -6,7 +6,10 @@ gets a leading batch dimension. An ActivationEnsemble owns no buffers: it works 
 its source's. With time steps the batch dimension holds ``T x batch`` items, step-major, and
 a time loop's kernels see step views (:class:`StepBuffers`). A zero-copy join's producers
 keep their buffers as *windows* of the join's (:meth:`BufferPlan.window`): the runtime shows
-them as strided views, the kernels access the join's buffer alone.
+them as strided views, the kernels access the join's buffer alone. A *transient* buffer holds
+a pass's temporary (packed or transformed weights, Winograd's tiles), filled at every run
+before it is read: one that a single kernel uses keeps nothing from one run of that kernel
+to the next, so such buffers of different kernels share memory (:mod:`latte.runtime.memory`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class BufferPlan:
         self.buffers: dict[tuple, Buffer] = {}
         self.views: dict[Buffer, tuple[Buffer, int]] = {}   # step view -> (buffer, step shift)
         self.windows: dict[Buffer, tuple[Buffer, int]] = {}  # window -> (buffer, item offset)
+        self.transient: set[Buffer] = set()
 
     def _get(self, key: tuple, name: str, shape: tuple[int, ...], dtype: str = "float32",
              batched: bool = False) -> Buffer:
@@ -65,13 +69,21 @@ class BufferPlan:
         return self._get((conn, "table"), f"{conn.source.name}->{conn.sink.name}.table", shape,
                          "int32")
 
-    def derived(self, key: tuple, name: str, shape: tuple[int, ...]) -> Buffer:
+    def derived(self, key: tuple, name: str, shape: tuple[int, ...],
+                transient: bool = False) -> Buffer:
         """A buffer the compiled code fills from others for all threads (transformed weights)."""
-        return self._get(("derived", *key), name, shape)
+        return self._mark(self._get(("derived", *key), name, shape), transient)
 
-    def scratch(self, key: tuple, name: str, shape: tuple[int, ...]) -> Buffer:
+    def scratch(self, key: tuple, name: str, shape: tuple[int, ...],
+                transient: bool = False) -> Buffer:
         """A per-thread tile buffer: one ``shape`` slice per thread."""
-        return self._get(("scratch", *key), name, (self.threads, *shape))
+        return self._mark(self._get(("scratch", *key), name, (self.threads, *shape)), transient)
+
+    def _mark(self, buf: Buffer, transient: bool) -> Buffer:
+        """``buf``, recorded as transient if it is: see the module's docstring."""
+        if transient:
+            self.transient.add(buf)
+        return buf
 
     def input(self, conn, kind: str) -> Buffer:
         """What a connection's ``"input"`` (the source's values) or ``"grad_input"`` is."""

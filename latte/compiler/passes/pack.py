@@ -238,7 +238,8 @@ def _packed(g: Gemm, around: tuple, name: str, bufs, vector: tuple[int, int], l2
     fresh = packed is None
     if fresh:
         packed = known[key] = bufs.derived((name, "packed"), name,
-                                           (math.prod(lp.extent for lp in loops), panels, g.k, cols))
+                                           (math.prod(lp.extent for lp in loops), panels, g.k, cols),
+                                           transient=True)
     gemm = replace(g, b_buf=packed, b_off=copy * (panels * g.k * cols), ldb=cols,
                    trans_b=False, panel=(rows, cols, lanes))
     if not fresh:

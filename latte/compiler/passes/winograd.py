@@ -202,9 +202,9 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
     n_tiles = th * tw
     label = f"{key[0]}.winograd{key[1]}"
     per = tuple(_plane(n) for n in (o.extent * c.extent, c.extent * n_tiles, o.extent * n_tiles))
-    u = bufs.derived((*key, "U"), f"{label}.U", (TILES, per[0]))
-    v = bufs.scratch((*key, "V"), f"{label}.V", (TILES, per[1]))
-    m = bufs.scratch((*key, "M"), f"{label}.M", (TILES, per[2]))
+    u = bufs.derived((*key, "U"), f"{label}.U", (TILES, per[0]), transient=True)
+    v = bufs.scratch((*key, "V"), f"{label}.V", (TILES, per[1]), transient=True)
+    m = bufs.scratch((*key, "M"), f"{label}.M", (TILES, per[2]), transient=True)
     names = NameGen()   # fresh names: none the nest uses
     names.used |= variables(conv.nest) | {n.var for n in walk(conv.nest) if isinstance(n, Loop)}
     ty, tx, e = names("_wy"), names("_wx"), names("_we")
@@ -223,7 +223,7 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
     # the source rows the tile reads, padded: P[c, r, q] (guards only here, split off the
     # interior), then V[e, c, p] = (B^T d B)[e] over each 4x4 patch of P
     rows, cols = 2 * th + 2, 2 * tw + 2
-    padded = bufs.scratch((*key, "P"), f"{label}.P", (c.extent, rows, cols))
+    padded = bufs.scratch((*key, "P"), f"{label}.P", (c.extent, rows, cols), transient=True)
     r, q = names("_wr"), names("_wq")
     order = [replace(c, kind=LoopKind.SERIAL), _loop(r, rows), _loop(q, cols)]
     at = Ref(padded, (Affine.of(TID), Affine.of(c.var), Affine.of(r), Affine.of(q)), padded.shape)

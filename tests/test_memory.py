@@ -1,0 +1,89 @@
+"""Transient buffers (a pass's temporaries, filled before they are read at every run) of
+different kernels share memory; those of one kernel do not, nor one that a kernel reads
+without filling it."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from helpers import WeightedSumLoss
+
+from latte import Net
+from latte.compiler.codegen import kernel_buffers
+from latte.compiler.ir import accesses
+from latte.stdlib import (
+    ConvolutionLayer,
+    FullyConnectedLayer,
+    LSTMLayer,
+    MemoryDataLayer,
+    ReLULayer,
+)
+
+
+def _convs(level: int, seed: int = 0):
+    """Two Winograd convolutions of different widths (each transforms its weights into its
+    own U), run twice: the second run finds the other layer's values in the shared memory."""
+    net = Net(2, opt_level=level, num_threads=2, seed=1)
+    x = MemoryDataLayer(net, "x", (8, 16, 16))
+    x.needs_grad = True
+    conv = ConvolutionLayer("conv1", net, x, 16, 3, pad=1)
+    out = ConvolutionLayer("conv2", net, ReLULayer("relu", net, conv), 12, 3, pad=1)
+    WeightedSumLoss(net, "loss", out)
+    net.init()
+    rng = np.random.default_rng(seed)
+    for _ in range(2):
+        net.value(x)[...] = rng.standard_normal((2, 8, 16, 16))
+        net.forward()
+        net.backward()
+    return net, [net.value(out).copy(), net.grad(x).copy(), *[p.grad.copy() for p in net.params]]
+
+
+def _transients(net) -> dict[str, np.ndarray]:
+    return {b.name: net._memory[b] for b in net.program.buffers.transient}
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_winograd_layers_share_their_temporaries_and_equal_level_0(level):
+    net, got = _convs(level)
+    _, want = _convs(0)
+    for g, w in zip(got, want):
+        assert np.abs(g - w).max() <= 2e-5 * max(float(np.abs(w).max()), 1e-3)
+    arrays = _transients(net)
+    kernels = [k for seg in net.program.segments() for k in seg.kernels]
+    own = [[arrays[b.name] for b in kernel_buffers(k) if b.name in arrays] for k in kernels]
+    for bufs in own:   # one kernel's temporaries never overlap
+        for a, b in itertools.combinations(bufs, 2):
+            assert not np.shares_memory(a, b)
+    assert any(np.shares_memory(a, b) for x, y in itertools.combinations(own, 2)
+               for a in x for b in y)
+    if level == 2:   # each layer a kernel of its own: the weights' transforms share
+        u = [a for name, a in arrays.items() if ".forward.winograd" in name and name.endswith(".U")]
+        assert len(u) == 2 and np.shares_memory(*u)
+
+
+def test_sharing_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("LATTE_SHARE_TRANSIENTS", "0")
+    net, _ = _convs(3)
+    for a, b in itertools.combinations(_transients(net).values(), 2):
+        assert not np.shares_memory(a, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_weights_packed_before_a_time_loop_keep_their_own_memory(threads):
+    """The recurrent weights are packed by one kernel before the loop and read by the step's
+    kernel: they must outlive the first, so they share with nothing."""
+    net = Net(4, time_steps=3, num_threads=threads, seed=0)
+    x = MemoryDataLayer(net, "x", (16,))
+    h = LSTMLayer("lstm", net, x, 32)
+    WeightedSumLoss(net, "loss", FullyConnectedLayer("out", net, h, 8))
+    net.init()
+    arrays = _transients(net)
+    read_only = {b.name for seg in net.program.segments() for k in seg.kernels
+                 for b in kernel_buffers(k) if b.name in arrays
+                 and b not in {a.buffer for a in accesses(k.body) if a.written}}
+    assert read_only   # the packed recurrent weights, in the step's kernels
+    for name in read_only:
+        assert not any(np.shares_memory(arrays[name], a) for other, a in arrays.items()
+                       if other != name)
