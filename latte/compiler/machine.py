@@ -153,16 +153,9 @@ def measured(name: str, measure: Callable[[], float], prefix: str | None = None)
     features and the OpenBLAS build; later calls, in any process, read the file (a damaged
     one is measured again). Processes that measure at once all take the first value
     written, so that they make the same choices."""
-    info = host()
-    key = hashlib.sha256(json.dumps({**info, "name": name}, sort_keys=True).encode()).hexdigest()
-    path = cache_dir() / f"{prefix or name}-{key[:16]}.json"
-
-    def stored() -> float | None:
-        value = float(json.loads(path.read_text())[name])
-        return value if math.isfinite(value) and value > 0 else None
-
+    info, path = _record(name, prefix)
     try:
-        found = stored()
+        found = _read(path, name)
         if found is not None:
             return found
         damaged = True
@@ -177,6 +170,26 @@ def measured(name: str, measure: Callable[[], float], prefix: str | None = None)
     except OSError:
         pass   # another process wrote it meanwhile, or a read-only cache
     try:
-        return stored() or value
+        return _read(path, name) or value
     except (OSError, ValueError, KeyError, TypeError):
         return value
+
+
+def recorded(name: str, prefix: str | None = None) -> float | None:
+    """What :func:`measured` cached for ``name`` on this machine; None if nothing (valid)."""
+    try:
+        return _read(_record(name, prefix)[1], name)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _record(name: str, prefix: str | None) -> tuple[dict, Path]:
+    """This machine's description and the file holding ``name``'s value on it."""
+    info = host()
+    key = hashlib.sha256(json.dumps({**info, "name": name}, sort_keys=True).encode()).hexdigest()
+    return info, cache_dir() / f"{prefix or name}-{key[:16]}.json"
+
+
+def _read(path: Path, name: str) -> float | None:
+    value = float(json.loads(path.read_text())[name])
+    return value if math.isfinite(value) and value > 0 else None

@@ -48,7 +48,7 @@ from latte.compiler.passes import (
 from latte.compiler.passes.coalesce import coalesce_loops
 from latte.compiler.passes.gather_grads import gather_input_grads
 from latte.compiler.passes.guards import split_guards
-from latte.compiler.passes.pack import pack_weights, tile_in_place
+from latte.compiler.passes.pack import measure_in_place, pack_weights, tile_in_place
 from latte.compiler.passes.time_hoist import hoist_param_grads
 from latte.compiler.passes.unswitch import unswitch_neuron_loops
 from latte.compiler.passes.winograd import winograd
@@ -286,6 +286,8 @@ def _tile_gemms(c: Compilation) -> None:
     if _blas_only():
         return
     vector, caches = vector_registers(), cache_sizes()
+    measure_in_place([k for plan in c.plans for k in plan.kernels.values()], vector, caches[2],
+                     caches[max(caches)])
     for plan in c.plans:
         for name, kernel in plan.kernels.items():
             plan.kernels[name] = tile_in_place(kernel, vector, caches[2], caches[max(caches)])

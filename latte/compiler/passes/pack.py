@@ -20,8 +20,10 @@ on them; GEMMs that read the same block (a product split into a whole and a last
 share one packed copy. Nothing looks at layer types or names.
 
 GEMMs left to BLAS whose A block stays in the last-level cache and whose B is read along
-its rows run the micro-kernel on B in place (:func:`tile_in_place`): no packing at all; those
-whose A and B both run along ``k`` (a convolution's weight gradient) run as dot products.
+its rows run the micro-kernel on B in place (:func:`tile_in_place`), no packing at all,
+where it beats BLAS on this machine (large products are timed both ways once per shape:
+:func:`in_place_pays`); those whose A and B both run along ``k`` (a convolution's weight
+gradient) run as dot products.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ from latte.compiler.ir import (
     Loop,
     Ref,
     rewrite,
+    walk,
 )
 from latte.compiler.jit import target
-from latte.compiler.machine import measured, one_blas_thread
+from latte.compiler.machine import measured, one_blas_thread, recorded
 from latte.compiler.microkernel import dot_tile, tile
 from latte.compiler.passes.data_copy import nest, variables
 
@@ -102,9 +105,9 @@ def tile_in_place(kernel: Kernel, vector: tuple[int, int], l2: int, shared: int)
     call, which costs the most next to small products (a convolution's window tile: ``k``
     27 for an RGB 3x3 window, or a few pixels of a fused tile against a deep layer's
     weights). A is read again for every panel of B, so its block must fit half of the
-    ``shared`` (last-level) cache, and along its rows, or transposed in a short product
-    where the micro-kernel beats BLAS on this machine (:func:`transposed_a_in_place`); a
-    panel must fit half the ``l2``. B read transposed, along ``k`` as A is (a
+    ``shared`` (last-level) cache, and along its rows, or transposed in a short product; a
+    panel must fit half the ``l2``; and the micro-kernel must beat BLAS on this machine
+    (:func:`in_place_pays`). B read transposed, along ``k`` as A is (a
     convolution's weight gradient): dot products (:func:`_dot`). Matrix-vector products stay
     with BLAS, and so does everything on hosts with fewer than 32 vector registers: with
     AVX2's 16, B's panels read in place ran slower than OpenBLAS's Haswell kernels, and dot
@@ -113,24 +116,80 @@ def tile_in_place(kernel: Kernel, vector: tuple[int, int], l2: int, shared: int)
         return kernel
 
     def tiled(g: Gemm):
-        if g.panel or g.m == 1 or g.n == 1:
-            return None
-        if g.trans_b:
+        if g.trans_b and not g.panel and min(g.m, g.n) > 1:
             return _dot(g, vector, l2)
-        if 4 * g.m * g.k > shared // 2 or not _short_columns(g) or (
-                g.trans_a and not transposed_a_in_place(vector, l2)):
+        shape = _in_place_tile(g, vector, l2, shared)
+        if shape is None or not in_place_pays(g, vector, l2):
             return None
-        shape = tile(g.m, g.n, g.k, vector[0] // 32, vector[1], l2 // 2, in_place=True)
-        return None if shape is None else replace(g, panel=(*shape, vector[0] // 32),
-                                                  packed=False)
+        return replace(g, panel=(*shape, vector[0] // 32), packed=False)
 
     return replace(kernel, body=rewrite(kernel.body, lambda n: tiled(n) if isinstance(n, Gemm)
                                         else None))
 
 
+def _in_place_tile(g: Gemm, vector: tuple[int, int], l2: int, shared: int):
+    """The micro-kernel's tile for ``g`` with B read in place along its rows, if its operands
+    suit it (see :func:`tile_in_place`); None otherwise."""
+    if (g.panel or g.trans_b or g.m == 1 or g.n == 1 or 4 * g.m * g.k > shared // 2
+            or not _short_columns(g)):
+        return None
+    return tile(g.m, g.n, g.k, vector[0] // 32, vector[1], l2 // 2, in_place=True)
+
+
+def measure_in_place(kernels: list[Kernel], vector: tuple[int, int], l2: int, shared: int) -> None:
+    """Time, in one compiled module, every product of ``kernels`` that :func:`in_place_pays`
+    will ask about and this machine has not answered yet (a net's first compile here)."""
+    if vector[1] < 32 or os.environ.get("LATTE_IN_PLACE") in ("0", "1"):
+        return
+    products = list(dict.fromkeys(
+        (g.m, g.n, g.k, g.lda, g.ldb, g.ldc) for kernel in kernels for g in walk(kernel.body)
+        if isinstance(g, Gemm) and not g.trans_a and g.m * g.n * g.k >= MEASURED_FMAS
+        and _in_place_tile(g, vector, l2, shared) is not None))
+    new = [p for p in products if recorded(_in_place_name(p), IN_PLACE) is None]
+    for product, ratio in zip(new, _time_in_place(new, False, vector, l2) if new else []):
+        measured(_in_place_name(product), lambda r=ratio: r, IN_PLACE)
+
+
+#: Products (per thread) of at least this many multiply-adds, A read along its rows, are
+#: timed both ways before the micro-kernel reads their B in place: at this size BLAS's
+#: packing no longer dominates, and the two trade places by shape and CPU
+MEASURED_FMAS = 1 << 21
+IN_PLACE = "in-place-speedup"   # the cache files' prefix
 #: The product timed for :func:`transposed_a_in_place` (m, n, k): a 3x3 convolution's input
 #: gradient, its filters (256 x 1152 stored) read transposed times 196 pixels' gradients
 TRANSPOSED_A_TRIAL = (1152, 196, 256)
+
+
+def in_place_pays(g: Gemm, vector: tuple[int, int], l2: int) -> bool:
+    """Does the micro-kernel, reading ``g``'s B in place, beat BLAS on this machine? A small
+    product: yes (BLAS packs both operands at every call). A transposed A:
+    :func:`transposed_a_in_place`. From :data:`MEASURED_FMAS` multiply-adds, each shape
+    (sizes and leading dimensions) is timed once per machine on one thread, both ways
+    (:func:`~latte.compiler.machine.measured`, ``in-place-speedup-<key>.json``): on an
+    Intel Xeon (emeraldrapids) the micro-kernel ran 128 x 512 over 1024 (an MLP's input
+    gradient, B's rows 4 KiB apart, in one cache set) at 0.42 of BLAS's speed and at 1.32
+    with rows 2.5 KiB apart, 256 x 196 over 4608 (a deep im2col product, neither operand in
+    L2) at 0.43, a Winograd product of 512 channels at 1.03. ``LATTE_IN_PLACE=0``/``1``
+    decides those with A along its rows without measuring."""
+    if g.trans_a:
+        return transposed_a_in_place(vector, l2)
+    forced = os.environ.get("LATTE_IN_PLACE")
+    if forced in ("0", "1"):
+        return forced == "1"
+    if g.m * g.n * g.k < MEASURED_FMAS:
+        return True
+    return _measured_in_place((g.m, g.n, g.k, g.lda, g.ldb, g.ldc), vector, l2)
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_in_place(product: tuple, vector: tuple[int, int], l2: int) -> bool:
+    return measured(_in_place_name(product),
+                    lambda: _time_in_place([product], False, vector, l2)[0], IN_PLACE) > 1.0
+
+
+def _in_place_name(product: tuple) -> str:
+    m, n, k, lda, ldb, ldc = product
+    return f"{IN_PLACE} {m}x{n}x{k} lda={lda} ldb={ldb} ldc={ldc}"
 
 
 def transposed_a_in_place(vector: tuple[int, int], l2: int) -> bool:
@@ -149,37 +208,58 @@ def transposed_a_in_place(vector: tuple[int, int], l2: int) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _measured_transposed_a(vector: tuple[int, int], l2: int) -> bool:
-    return measured("transposed-a-speedup", lambda: _time_transposed_a(vector, l2)) > 1.0
-
-
-def _time_transposed_a(vector: tuple[int, int], l2: int, runs: int = 15) -> float:
-    """BLAS's time over the micro-kernel's (best runs, taken in turns) on the trial product."""
     m, n, k = TRANSPOSED_A_TRIAL
-    rng = np.random.default_rng(0)
-    a, b = rng.random((k, m), dtype=np.float32), rng.random((k, n), dtype=np.float32)
-    c = np.zeros((m, n), np.float32)
-    bufs = [Buffer((x,), x, arr.shape) for x, arr in zip("ABC", (a, b, c))]
-    shape = tile(m, n, k, vector[0] // 32, vector[1], l2 // 2, in_place=True)
-    g = Gemm(m, n, k, bufs[0], Affine(), m, True, bufs[1], Affine(), n, False, bufs[2], Affine(),
-             n, panel=(*shape, vector[0] // 32), packed=False)
-    builder = ModuleBuilder({buf: i for i, buf in enumerate(bufs)})
-    builder.add_segment("trial", [Kernel("trial", Block((g,)))])
+    return measured("transposed-a-speedup",
+                    lambda: _time_in_place([(m, n, k, m, n, n)], True, vector, l2)[0]) > 1.0
+
+
+def _time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int], l2: int,
+                   budget: float = 0.02, runs: int = 15) -> list[float]:
+    """Per product (m, n, k and the leading dimensions of A, B and C; B read in place along
+    its rows), BLAS's time over the micro-kernel's on one thread: the best of up to ``runs``
+    runs each (the first of each warms up), taken in turns, fewer where they pass
+    ``budget`` seconds. The micro-kernels are compiled in one module."""
+    lanes = vector[0] // 32
+    builder, operands = ModuleBuilder({}), []
+    for i, (m, n, k, lda, ldb, ldc) in enumerate(products):
+        bufs = [Buffer((x, i), x, (size,)) for x, size in
+                zip("ABC", ((k if trans_a else m) * lda, k * ldb, m * ldc))]
+        builder.buffer_index.update({buf: j for j, buf in enumerate(bufs)})
+        shape = tile(m, n, k, lanes, vector[1], l2 // 2, in_place=True)
+        g = Gemm(m, n, k, bufs[0], Affine(), lda, trans_a, bufs[1], Affine(), ldb, False,
+                 bufs[2], Affine(), ldc, beta=0.0, panel=(*shape, lanes), packed=False)
+        builder.add_segment(f"trial{i}", [Kernel(f"trial{i}", Block((g,)))])
+        operands.append(bufs)
     library = target().compile(str(builder.module))
-    table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
-    tiled = functools.partial(ctypes.CFUNCTYPE(None, ctypes.c_void_p)(library.address("trial")),
-                              ctypes.addressof(table))
-    best = {"blas": math.inf, "tiled": math.inf}
+    ratios = []
     with one_blas_thread() as sgemm:
-        products = (("blas", lambda: sgemm(101, 112, 111, m, n, k, 1.0, a.ctypes.data, m,
-                                           b.ctypes.data, n, 0.0, c.ctypes.data, n)),
-                    ("tiled", tiled))
-        for run in range(runs + 1):   # the first run of each warms up
-            for name, product in products:
-                start = time.perf_counter()
-                product()
-                if run:
-                    best[name] = min(best[name], time.perf_counter() - start)
-    return best["blas"] / best["tiled"]
+        for i, ((m, n, k, lda, ldb, ldc), bufs) in enumerate(zip(products, operands)):
+            a, b, c = (np.full((buf.size,), 0.5, np.float32) for buf in bufs)
+            table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
+            tiled = functools.partial(
+                ctypes.CFUNCTYPE(None, ctypes.c_void_p)(library.address(f"trial{i}")),
+                ctypes.addressof(table))
+            blas = functools.partial(sgemm, 101, 112 if trans_a else 111, 111, m, n, k, 1.0,
+                                     a.ctypes.data, lda, b.ctypes.data, ldb, 0.0, c.ctypes.data, ldc)
+            ratios.append(_race(blas, tiled, budget, runs))
+    return ratios
+
+
+def _race(blas, tiled, budget: float, runs: int) -> float:
+    """``blas``'s best time over ``tiled``'s, run in turns (see :func:`_time_in_place`)."""
+    best = {blas: math.inf, tiled: math.inf}
+    spent = 0.0
+    for run in range(runs + 1):
+        for product in (blas, tiled):
+            start = time.perf_counter()
+            product()
+            took = time.perf_counter() - start
+            spent += took
+            if run:
+                best[product] = min(best[product], took)
+        if run >= 2 and spent > budget:
+            break
+    return best[blas] / best[tiled]
 
 
 def _dot(g: Gemm, vector: tuple[int, int], l2: int) -> Gemm | None:
