@@ -66,6 +66,14 @@ TRANSPOSE = 16   # rows of B a transposing pack reads at a time
 # streamed past the other (a 3x3 convolution's weight gradient, 2 threads, AMD EPYC znver4:
 # 1.15x at 64 output channels, 1.05x at 128, 0.93x at 256, 0.78x at 512)
 MIN_DOT_VECTORS, MAX_DOT_ROWS = 8, 128
+#: Products (per thread) of at least this many multiply-adds, A read along its rows, are
+#: timed both ways before the micro-kernel reads their B in place: at this size BLAS's
+#: packing no longer dominates, and the two trade places by shape and CPU
+MEASURED_FMAS = 1 << 21
+IN_PLACE = "in-place-speedup"   # the cache files' prefix
+#: The product timed for :func:`transposed_a_in_place` (m, n, k): a 3x3 convolution's input
+#: gradient, its filters (256 x 1152 stored) read transposed times 196 pixels' gradients
+TRANSPOSED_A_TRIAL = (1152, 196, 256)
 
 
 def pack_weights(kernel: Kernel, bufs, params: frozenset[Buffer], vector: tuple[int, int],
@@ -150,14 +158,6 @@ def measure_in_place(kernels: list[Kernel], vector: tuple[int, int], l2: int, sh
         measured(_in_place_name(product), lambda r=ratio: r, IN_PLACE)
 
 
-#: Products (per thread) of at least this many multiply-adds, A read along its rows, are
-#: timed both ways before the micro-kernel reads their B in place: at this size BLAS's
-#: packing no longer dominates, and the two trade places by shape and CPU
-MEASURED_FMAS = 1 << 21
-IN_PLACE = "in-place-speedup"   # the cache files' prefix
-#: The product timed for :func:`transposed_a_in_place` (m, n, k): a 3x3 convolution's input
-#: gradient, its filters (256 x 1152 stored) read transposed times 196 pixels' gradients
-TRANSPOSED_A_TRIAL = (1152, 196, 256)
 
 
 def in_place_pays(g: Gemm, vector: tuple[int, int], l2: int) -> bool:
@@ -167,7 +167,7 @@ def in_place_pays(g: Gemm, vector: tuple[int, int], l2: int) -> bool:
     (sizes and leading dimensions) is timed once per machine on one thread, both ways
     (:func:`~latte.compiler.machine.measured`, ``in-place-speedup-<key>.json``): on an
     Intel Xeon (emeraldrapids) the micro-kernel ran 128 x 512 over 1024 (an MLP's input
-    gradient, B's rows 4 KiB apart, in one cache set) at 0.42 of BLAS's speed and at 1.32
+    gradient, B's rows 4 KiB apart, in one cache set) at 0.43 of BLAS's speed and at 1.32
     with rows 2.5 KiB apart, 256 x 196 over 4608 (a deep im2col product, neither operand in
     L2) at 0.43, a Winograd product of 512 channels at 1.03. ``LATTE_IN_PLACE=0``/``1``
     decides those with A along its rows without measuring."""
