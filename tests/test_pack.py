@@ -322,20 +322,21 @@ def test_transposed_a_in_place_is_measured_once_per_machine(monkeypatch, tmp_pat
     """Whether the micro-kernel reads A transposed is timed against BLAS once (a real trial
     gives a positive ratio), then read back from the cache in later processes."""
     import latte.compiler.passes.pack as pack  # noqa: PLC0415
+    import latte.compiler.trials as trials  # noqa: PLC0415
 
-    m, n, k = pack.TRANSPOSED_A_TRIAL
-    assert 0 < pack._time_in_place([(m, n, k, m, n, n)], True, (512, 32), 1 << 20, runs=2)[0] < float("inf")
+    m, n, k = trials.TRANSPOSED_A_TRIAL
+    assert 0 < trials.time_in_place([(m, n, k, m, n, n)], True, (512, 32), 1 << 20, runs=2)[0] < float("inf")
     monkeypatch.delenv("LATTE_TRANSPOSED_A", raising=False)
     monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
     calls = []
-    monkeypatch.setattr(pack, "_time_in_place", lambda *args: calls.append(args) or [1.25])
-    pack._measured_transposed_a.cache_clear()
+    monkeypatch.setattr(trials, "time_in_place", lambda *args: calls.append(args) or [1.25])
+    trials.transposed_a_beats_blas.cache_clear()
     assert pack.transposed_a_in_place((512, 32), 1 << 20) and len(calls) == 1
     assert calls[0][:2] == ([(m, n, k, m, n, n)], True)
-    pack._measured_transposed_a.cache_clear()   # another process: the file answers
+    trials.transposed_a_beats_blas.cache_clear()   # another process: the file answers
     assert pack.transposed_a_in_place((512, 32), 1 << 20) and len(calls) == 1
     assert len(list(tmp_path.glob("transposed-a-speedup-*.json"))) == 1
-    pack._measured_transposed_a.cache_clear()
+    trials.transposed_a_beats_blas.cache_clear()
 
 
 def test_large_products_read_in_place_where_the_micro_kernel_wins_here(monkeypatch, tmp_path):
@@ -345,15 +346,16 @@ def test_large_products_read_in_place_where_the_micro_kernel_wins_here(monkeypat
     tiled; a smaller one is tiled without a trial; the answer survives the process in the
     cache; ``LATTE_IN_PLACE`` decides without measuring."""
     import latte.compiler.passes.pack as pack  # noqa: PLC0415
+    import latte.compiler.trials as trials  # noqa: PLC0415
 
-    ratios = pack._time_in_place([(40, 96, 64, 80, 100, 96), (24, 50, 30, 30, 50, 60)], False,
+    ratios = trials.time_in_place([(40, 96, 64, 80, 100, 96), (24, 50, 30, 30, 50, 60)], False,
                                  (512, 32), 1 << 20, runs=2)
     assert len(ratios) == 2 and all(0 < r < float("inf") for r in ratios)
     monkeypatch.delenv("LATTE_IN_PLACE", raising=False)
     monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
     speedup = {(128, 512, 1024): 0.42, (512, 98, 512): 1.03}
     calls = []
-    monkeypatch.setattr(pack, "_time_in_place", lambda products, *args: calls.extend(products)
+    monkeypatch.setattr(trials, "time_in_place", lambda products, *args: calls.extend(products)
                         or [speedup[p[:3]] for p in products])
 
     def gemm(m, n, k):
@@ -364,9 +366,9 @@ def test_large_products_read_in_place_where_the_micro_kernel_wins_here(monkeypat
         (h,) = pack.tile_in_place(Kernel("k", Block((g,))), (512, 32), 2 << 20, 32 << 20).body.stmts
         return bool(h.panel)
 
-    pack._measured_in_place.cache_clear()
+    trials.beats_blas.cache_clear()
     batches = []
-    monkeypatch.setattr(pack, "_time_in_place", lambda products, *args: batches.append(products)
+    monkeypatch.setattr(trials, "time_in_place", lambda products, *args: batches.append(products)
                         or calls.extend(products) or [speedup[p[:3]] for p in products])
     kernel = Kernel("k", Block((gemm(128, 512, 1024), gemm(512, 98, 512), gemm(64, 896, 27))))
     pack.measure_in_place([kernel], (512, 32), 2 << 20, 32 << 20)   # a net's first compile
@@ -375,12 +377,12 @@ def test_large_products_read_in_place_where_the_micro_kernel_wins_here(monkeypat
     assert tiled(gemm(64, 896, 27)) and len(calls) == 2   # 1.5M multiply-adds: no trial
     pack.measure_in_place([kernel], (512, 32), 2 << 20, 32 << 20)   # nothing new to time
     assert len(batches) == 1
-    pack._measured_in_place.cache_clear()   # another process: the files answer
+    trials.beats_blas.cache_clear()   # another process: the files answer
     assert not tiled(gemm(128, 512, 1024)) and tiled(gemm(512, 98, 512)) and len(calls) == 2
     assert len(list(tmp_path.glob("in-place-speedup-*.json"))) == 2
     monkeypatch.setenv("LATTE_IN_PLACE", "1")
     assert tiled(gemm(128, 512, 1024))
     monkeypatch.setenv("LATTE_IN_PLACE", "0")
     assert not tiled(gemm(512, 98, 512)) and not tiled(gemm(64, 896, 27))
-    pack._measured_in_place.cache_clear()
+    trials.beats_blas.cache_clear()
 

@@ -28,16 +28,11 @@ gradient) run as dot products.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import math
 import os
-import time
 from dataclasses import replace
 
-import numpy as np
-
-from latte.compiler.codegen import ModuleBuilder
+from latte.compiler import trials
 from latte.compiler.ir import (
     Affine,
     Assign,
@@ -53,8 +48,6 @@ from latte.compiler.ir import (
     rewrite,
     walk,
 )
-from latte.compiler.jit import target
-from latte.compiler.machine import measured, one_blas_thread, recorded
 from latte.compiler.microkernel import dot_tile, tile
 from latte.compiler.passes.data_copy import nest, variables
 
@@ -70,10 +63,6 @@ MIN_DOT_VECTORS, MAX_DOT_ROWS = 8, 128
 #: timed both ways before the micro-kernel reads their B in place: at this size BLAS's
 #: packing no longer dominates, and the two trade places by shape and CPU
 MEASURED_FMAS = 1 << 21
-IN_PLACE = "in-place-speedup"   # the cache files' prefix
-#: The product timed for :func:`transposed_a_in_place` (m, n, k): a 3x3 convolution's input
-#: gradient, its filters (256 x 1152 stored) read transposed times 196 pixels' gradients
-TRANSPOSED_A_TRIAL = (1152, 196, 256)
 
 
 def pack_weights(kernel: Kernel, bufs, params: frozenset[Buffer], vector: tuple[int, int],
@@ -145,19 +134,14 @@ def _in_place_tile(g: Gemm, vector: tuple[int, int], l2: int, shared: int):
 
 
 def measure_in_place(kernels: list[Kernel], vector: tuple[int, int], l2: int, shared: int) -> None:
-    """Time, in one compiled module, every product of ``kernels`` that :func:`in_place_pays`
-    will ask about and this machine has not answered yet (a net's first compile here)."""
+    """Time together every product of ``kernels`` that :func:`in_place_pays` will ask about
+    and this machine has not answered yet (:func:`~latte.compiler.trials.measure`)."""
     if vector[1] < 32 or os.environ.get("LATTE_IN_PLACE") in ("0", "1"):
         return
-    products = list(dict.fromkeys(
-        (g.m, g.n, g.k, g.lda, g.ldb, g.ldc) for kernel in kernels for g in walk(kernel.body)
-        if isinstance(g, Gemm) and not g.trans_a and g.m * g.n * g.k >= MEASURED_FMAS
-        and _in_place_tile(g, vector, l2, shared) is not None))
-    new = [p for p in products if recorded(_in_place_name(p), IN_PLACE) is None]
-    for product, ratio in zip(new, _time_in_place(new, False, vector, l2) if new else []):
-        measured(_in_place_name(product), lambda r=ratio: r, IN_PLACE)
-
-
+    trials.measure([(g.m, g.n, g.k, g.lda, g.ldb, g.ldc) for kernel in kernels
+                    for g in walk(kernel.body)
+                    if isinstance(g, Gemm) and not g.trans_a and g.m * g.n * g.k >= MEASURED_FMAS
+                    and _in_place_tile(g, vector, l2, shared) is not None], vector, l2)
 
 
 def in_place_pays(g: Gemm, vector: tuple[int, int], l2: int) -> bool:
@@ -165,7 +149,7 @@ def in_place_pays(g: Gemm, vector: tuple[int, int], l2: int) -> bool:
     product: yes (BLAS packs both operands at every call). A transposed A:
     :func:`transposed_a_in_place`. From :data:`MEASURED_FMAS` multiply-adds, each shape
     (sizes and leading dimensions) is timed once per machine on one thread, both ways
-    (:func:`~latte.compiler.machine.measured`, ``in-place-speedup-<key>.json``): on an
+    (:func:`~latte.compiler.trials.beats_blas`, ``in-place-speedup-<key>.json``): on an
     Intel Xeon (emeraldrapids) the micro-kernel ran 128 x 512 over 1024 (an MLP's input
     gradient, B's rows 4 KiB apart, in one cache set) at 0.43 of BLAS's speed and at 1.32
     with rows 2.5 KiB apart, 256 x 196 over 4608 (a deep im2col product, neither operand in
@@ -178,18 +162,7 @@ def in_place_pays(g: Gemm, vector: tuple[int, int], l2: int) -> bool:
         return forced == "1"
     if g.m * g.n * g.k < MEASURED_FMAS:
         return True
-    return _measured_in_place((g.m, g.n, g.k, g.lda, g.ldb, g.ldc), vector, l2)
-
-
-@functools.lru_cache(maxsize=None)
-def _measured_in_place(product: tuple, vector: tuple[int, int], l2: int) -> bool:
-    return measured(_in_place_name(product),
-                    lambda: _time_in_place([product], False, vector, l2)[0], IN_PLACE) > 1.0
-
-
-def _in_place_name(product: tuple) -> str:
-    m, n, k, lda, ldb, ldc = product
-    return f"{IN_PLACE} {m}x{n}x{k} lda={lda} ldb={ldb} ldc={ldc}"
+    return trials.beats_blas((g.m, g.n, g.k, g.lda, g.ldb, g.ldc), vector, l2)
 
 
 def transposed_a_in_place(vector: tuple[int, int], l2: int) -> bool:
@@ -197,69 +170,12 @@ def transposed_a_in_place(vector: tuple[int, int], l2: int) -> bool:
     floats on, a page apart in a convolution's input gradient) on this machine? It did on
     an AMD EPYC (znver4), and ran ResNet-18's and ResNet-50's training steps 5% and 6%
     slower than BLAS on an Intel Xeon (emeraldrapids), so it is measured once per machine
-    (:func:`~latte.compiler.machine.measured`: :data:`TRANSPOSED_A_TRIAL` on one thread,
-    both ways) and one process keeps one answer. ``LATTE_TRANSPOSED_A=0``/``1`` decides
-    without measuring."""
+    (:func:`~latte.compiler.trials.transposed_a_beats_blas`). ``LATTE_TRANSPOSED_A=0``/``1``
+    decides without measuring."""
     forced = os.environ.get("LATTE_TRANSPOSED_A")
     if forced in ("0", "1"):
         return forced == "1"
-    return _measured_transposed_a(vector, l2)
-
-
-@functools.lru_cache(maxsize=None)
-def _measured_transposed_a(vector: tuple[int, int], l2: int) -> bool:
-    m, n, k = TRANSPOSED_A_TRIAL
-    return measured("transposed-a-speedup",
-                    lambda: _time_in_place([(m, n, k, m, n, n)], True, vector, l2)[0]) > 1.0
-
-
-def _time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int], l2: int,
-                   budget: float = 0.02, runs: int = 15) -> list[float]:
-    """Per product (m, n, k and the leading dimensions of A, B and C; B read in place along
-    its rows), BLAS's time over the micro-kernel's on one thread: the best of up to ``runs``
-    runs each (the first of each warms up), taken in turns, fewer where they pass
-    ``budget`` seconds. The micro-kernels are compiled in one module."""
-    lanes = vector[0] // 32
-    builder, operands = ModuleBuilder({}), []
-    for i, (m, n, k, lda, ldb, ldc) in enumerate(products):
-        bufs = [Buffer((x, i), x, (size,)) for x, size in
-                zip("ABC", ((k if trans_a else m) * lda, k * ldb, m * ldc))]
-        builder.buffer_index.update({buf: j for j, buf in enumerate(bufs)})
-        shape = tile(m, n, k, lanes, vector[1], l2 // 2, in_place=True)
-        g = Gemm(m, n, k, bufs[0], Affine(), lda, trans_a, bufs[1], Affine(), ldb, False,
-                 bufs[2], Affine(), ldc, beta=0.0, panel=(*shape, lanes), packed=False)
-        builder.add_segment(f"trial{i}", [Kernel(f"trial{i}", Block((g,)))])
-        operands.append(bufs)
-    library = target().compile(str(builder.module))
-    ratios = []
-    with one_blas_thread() as sgemm:
-        for i, ((m, n, k, lda, ldb, ldc), bufs) in enumerate(zip(products, operands)):
-            a, b, c = (np.full((buf.size,), 0.5, np.float32) for buf in bufs)
-            table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
-            tiled = functools.partial(
-                ctypes.CFUNCTYPE(None, ctypes.c_void_p)(library.address(f"trial{i}")),
-                ctypes.addressof(table))
-            blas = functools.partial(sgemm, 101, 112 if trans_a else 111, 111, m, n, k, 1.0,
-                                     a.ctypes.data, lda, b.ctypes.data, ldb, 0.0, c.ctypes.data, ldc)
-            ratios.append(_race(blas, tiled, budget, runs))
-    return ratios
-
-
-def _race(blas, tiled, budget: float, runs: int) -> float:
-    """``blas``'s best time over ``tiled``'s, run in turns (see :func:`_time_in_place`)."""
-    best = {blas: math.inf, tiled: math.inf}
-    spent = 0.0
-    for run in range(runs + 1):
-        for product in (blas, tiled):
-            start = time.perf_counter()
-            product()
-            took = time.perf_counter() - start
-            spent += took
-            if run:
-                best[product] = min(best[product], took)
-        if run >= 2 and spent > budget:
-            break
-    return best[blas] / best[tiled]
+    return trials.transposed_a_beats_blas(vector, l2)
 
 
 def _dot(g: Gemm, vector: tuple[int, int], l2: int) -> Gemm | None:

@@ -1,0 +1,107 @@
+"""Timing the register-tiled micro-kernel against BLAS on this machine.
+
+Which of the two runs a product faster flips by shape and by CPU
+(:mod:`latte.compiler.passes.pack` asks where it matters): a product is timed both ways on
+one thread, once per machine (:func:`~latte.compiler.machine.measured`, cached beside the
+peak), and one process keeps one answer; processes that measure at once take the first
+answer written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import time
+
+import numpy as np
+
+from latte.compiler.codegen import ModuleBuilder
+from latte.compiler.ir import Affine, Block, Buffer, Gemm, Kernel
+from latte.compiler.jit import target
+from latte.compiler.machine import measured, one_blas_thread, recorded
+from latte.compiler.microkernel import tile
+
+IN_PLACE = "in-place-speedup"   # the cache files' prefix for products with A along its rows
+#: The product timed for a transposed A (m, n, k): a 3x3 convolution's input gradient, its
+#: filters (256 x 1152 stored) read transposed times 196 pixels' gradients
+TRANSPOSED_A_TRIAL = (1152, 196, 256)
+
+
+@functools.lru_cache(maxsize=None)
+def beats_blas(product: tuple, vector: tuple[int, int], l2: int) -> bool:
+    """Does the micro-kernel, reading B in place, run ``product`` (m, n, k and the leading
+    dimensions of A, B and C, A along its rows) faster than BLAS here?"""
+    return measured(_name(product),
+                    lambda: time_in_place([product], False, vector, l2)[0], IN_PLACE) > 1.0
+
+
+@functools.lru_cache(maxsize=None)
+def transposed_a_beats_blas(vector: tuple[int, int], l2: int) -> bool:
+    """Does the micro-kernel run :data:`TRANSPOSED_A_TRIAL`, A read transposed, faster than
+    BLAS here (``transposed-a-speedup-<key>.json``)?"""
+    m, n, k = TRANSPOSED_A_TRIAL
+    return measured("transposed-a-speedup",
+                    lambda: time_in_place([(m, n, k, m, n, n)], True, vector, l2)[0]) > 1.0
+
+
+def measure(products: list[tuple], vector: tuple[int, int], l2: int) -> None:
+    """Time those of ``products`` (as :func:`beats_blas` takes them) this machine has not
+    answered yet, in one compiled module (a net's first compile here)."""
+    new = [p for p in dict.fromkeys(products) if recorded(_name(p), IN_PLACE) is None]
+    for product, ratio in zip(new, time_in_place(new, False, vector, l2) if new else []):
+        measured(_name(product), lambda r=ratio: r, IN_PLACE)
+
+
+def _name(product: tuple) -> str:
+    m, n, k, lda, ldb, ldc = product
+    return f"{IN_PLACE} {m}x{n}x{k} lda={lda} ldb={ldb} ldc={ldc}"
+
+
+def time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int], l2: int,
+                  budget: float = 0.02, runs: int = 15) -> list[float]:
+    """Per product (m, n, k and the leading dimensions of A, B and C; B read in place along
+    its rows), BLAS's time over the micro-kernel's on one thread: the best of up to ``runs``
+    runs each (the first of each warms up), taken in turns, fewer where they pass
+    ``budget`` seconds. The micro-kernels are compiled in one module."""
+    lanes = vector[0] // 32
+    builder, operands = ModuleBuilder({}), []
+    for i, (m, n, k, lda, ldb, ldc) in enumerate(products):
+        bufs = [Buffer((x, i), x, (size,)) for x, size in
+                zip("ABC", ((k if trans_a else m) * lda, k * ldb, m * ldc))]
+        builder.buffer_index.update({buf: j for j, buf in enumerate(bufs)})
+        shape = tile(m, n, k, lanes, vector[1], l2 // 2, in_place=True)
+        g = Gemm(m, n, k, bufs[0], Affine(), lda, trans_a, bufs[1], Affine(), ldb, False,
+                 bufs[2], Affine(), ldc, beta=0.0, panel=(*shape, lanes), packed=False)
+        builder.add_segment(f"trial{i}", [Kernel(f"trial{i}", Block((g,)))])
+        operands.append(bufs)
+    library = target().compile(str(builder.module))
+    ratios = []
+    with one_blas_thread() as sgemm:
+        for i, ((m, n, k, lda, ldb, ldc), bufs) in enumerate(zip(products, operands)):
+            a, b, c = (np.full((buf.size,), 0.5, np.float32) for buf in bufs)
+            table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
+            tiled = functools.partial(
+                ctypes.CFUNCTYPE(None, ctypes.c_void_p)(library.address(f"trial{i}")),
+                ctypes.addressof(table))
+            blas = functools.partial(sgemm, 101, 112 if trans_a else 111, 111, m, n, k, 1.0,
+                                     a.ctypes.data, lda, b.ctypes.data, ldb, 0.0, c.ctypes.data, ldc)
+            ratios.append(_race(blas, tiled, budget, runs))
+    return ratios
+
+
+def _race(blas, tiled, budget: float, runs: int) -> float:
+    """``blas``'s best time over ``tiled``'s, run in turns (see :func:`time_in_place`)."""
+    best = {blas: math.inf, tiled: math.inf}
+    spent = 0.0
+    for run in range(runs + 1):
+        for product in (blas, tiled):
+            start = time.perf_counter()
+            product()
+            took = time.perf_counter() - start
+            spent += took
+            if run:
+                best[product] = min(best[product], took)
+        if run >= 2 and spent > budget:
+            break
+    return best[blas] / best[tiled]
