@@ -386,3 +386,30 @@ def test_large_products_read_in_place_where_the_micro_kernel_wins_here(monkeypat
     assert not tiled(gemm(512, 98, 512)) and not tiled(gemm(64, 896, 27))
     trials.beats_blas.cache_clear()
 
+
+
+@pytest.mark.parametrize("ratio", [0.5, 2.0])
+def test_explain_shows_what_the_trial_chose(monkeypatch, tmp_path, ratio):
+    """An FC layer's input gradient (64 x 512 over 1024, B the weights in place) is timed
+    against BLAS at its first compile; ``latte explain`` shows the ratio under the product,
+    which runs on BLAS where the micro-kernel lost and tiled where it won."""
+    import latte.compiler.pipeline as pipeline  # noqa: PLC0415
+    import latte.compiler.trials as trials  # noqa: PLC0415
+    from latte.compiler.explain import explain_program  # noqa: PLC0415
+
+    monkeypatch.setattr(pipeline, "vector_registers", lambda: (512, 32))
+    monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LATTE_IN_PLACE", raising=False)
+    monkeypatch.setattr(trials, "time_in_place", lambda products, *args: [ratio] * len(products))
+    trials.beats_blas.cache_clear()
+    net = Net(64, num_threads=1, seed=0)
+    x, label = MemoryDataLayer(net, "x", (512,)), MemoryDataLayer(net, "label", (1,))
+    x.needs_grad = True
+    SoftmaxLossLayer("loss", net, FullyConnectedLayer("fc", net, x, 1024), label)
+    net.init()
+    trials.beats_blas.cache_clear()
+    (g,) = [g for p in net.program.plans for k in p.kernels.values() for g in walk(k.body)
+            if isinstance(g, Gemm) and (g.m, g.n, g.k) == (64, 512, 1024)]
+    assert bool(g.panel) == (ratio > 1)
+    text = explain_program(net.program)
+    assert f"ran it at {ratio:.2f}x BLAS's speed" in text

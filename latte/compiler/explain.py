@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from latte.compiler import HostStep, Segment, TimeSteps
+from latte.compiler import HostStep, Segment, TimeSteps, trials
 from latte.compiler.autodiff import derived_backward, format_neuron
 from latte.compiler.fusion import planner_chain
 from latte.compiler.ir import Gemm, Ref, accesses, walk
@@ -155,6 +155,17 @@ def describe(groups: list, budget: int) -> list[str]:
     return out
 
 
+def _timed(g: Gemm) -> list[str]:
+    """Where this machine timed ``g``'s product both ways (:mod:`latte.compiler.trials`): the
+    ratio that chose BLAS or the micro-kernel on B in place."""
+    if g.trans_a or g.trans_b or (g.panel and g.packed):
+        return []
+    ratio = trials.speedup((g.m, g.n, g.k, g.lda, g.ldb, g.ldc))
+    return [] if ratio is None else [
+        f"      timed on this machine: the micro-kernel on B in place ran it at {ratio:.2f}x "
+        "BLAS's speed"]
+
+
 def explain_program(program) -> str:
     """Per ensemble: shared dimensions, GEMM matches and the generated loops."""
     cached = program.library is not None and program.library.from_cache
@@ -199,6 +210,7 @@ def explain_program(program) -> str:
                            "4x4 tiles of the source (weights transformed once per run)")
             for g in gemms:
                 out.extend("    " + line.strip() for line in fmt_stmt(g))
+                out.extend(_timed(g))
         for kernel in plan.kernels.values():
             out.append("")
             out.extend("  " + line for line in format_ir(kernel).splitlines())

@@ -48,9 +48,15 @@ def transposed_a_beats_blas(vector: tuple[int, int], l2: int) -> bool:
 def measure(products: list[tuple], vector: tuple[int, int], l2: int) -> None:
     """Time those of ``products`` (as :func:`beats_blas` takes them) this machine has not
     answered yet, in one compiled module (a net's first compile here)."""
-    new = [p for p in dict.fromkeys(products) if recorded(_name(p), IN_PLACE) is None]
+    new = [p for p in dict.fromkeys(products) if speedup(p) is None]
     for product, ratio in zip(new, time_in_place(new, False, vector, l2) if new else []):
         measured(_name(product), lambda r=ratio: r, IN_PLACE)
+
+
+def speedup(product: tuple) -> float | None:
+    """BLAS's time over the micro-kernel's for ``product`` (as :func:`beats_blas` takes it),
+    if this machine has timed it; nothing is timed here."""
+    return recorded(_name(product), IN_PLACE)
 
 
 def _name(product: tuple) -> str:
