@@ -160,7 +160,7 @@ def _timed(g: Gemm) -> list[str]:
     ratio that chose BLAS or the micro-kernel on B in place."""
     if g.trans_a or g.trans_b or (g.panel and g.packed):
         return []
-    ratio = trials.speedup((g.m, g.n, g.k, g.lda, g.ldb, g.ldc))
+    ratio = trials.speedup(trials.key(g))
     return [] if ratio is None else [
         f"      timed on this machine: the micro-kernel on B in place ran it at {ratio:.2f}x "
         "BLAS's speed"]

@@ -53,6 +53,11 @@ def measure(products: list[tuple], vector: tuple[int, int], l2: int) -> None:
         measured(_name(product), lambda r=ratio: r, IN_PLACE)
 
 
+def key(g: Gemm) -> tuple:
+    """How the trials name ``g``'s product: m, n, k and the leading dimensions of A, B, C."""
+    return g.m, g.n, g.k, g.lda, g.ldb, g.ldc
+
+
 def speedup(product: tuple) -> float | None:
     """BLAS's time over the micro-kernel's for ``product`` (as :func:`beats_blas` takes it),
     if this machine has timed it; nothing is timed here."""
@@ -101,13 +106,13 @@ def _race(blas, tiled, budget: float, runs: int) -> float:
     best = {blas: math.inf, tiled: math.inf}
     spent = 0.0
     for run in range(runs + 1):
-        for product in (blas, tiled):
+        for fn in (blas, tiled):
             start = time.perf_counter()
-            product()
+            fn()
             took = time.perf_counter() - start
             spent += took
             if run:
-                best[product] = min(best[product], took)
+                best[fn] = min(best[fn], took)
         if run >= 2 and spent > budget:
             break
     return best[blas] / best[tiled]

@@ -72,7 +72,8 @@ def gather_input_grads(kernel: Kernel, bufs, sources: dict) -> Kernel:
         if winograd.match(gather) is None:
             stmts.append(s)
             continue
-        copy, gather = _rewrite(s, *found, lambda shape, n=name: bufs.derived((n,), n, shape, transient=True))
+        copy, gather = _rewrite(s, *found,
+                                lambda shape, n=name: bufs.derived((n,), n, shape, transient=True))
         copies.append(copy)
         stmts.append(gather)
     return replace(kernel, body=Block((*copies, *stmts))) if copies else kernel

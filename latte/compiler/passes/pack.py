@@ -136,11 +136,10 @@ def _in_place_tile(g: Gemm, vector: tuple[int, int], l2: int, shared: int):
 def measure_in_place(kernels: list[Kernel], vector: tuple[int, int], l2: int, shared: int) -> None:
     """Time together every product of ``kernels`` that :func:`in_place_pays` will ask about
     and this machine has not answered yet (:func:`~latte.compiler.trials.measure`)."""
-    if vector[1] < 32 or os.environ.get("LATTE_IN_PLACE") in ("0", "1"):
+    if vector[1] < 32:
         return
-    trials.measure([(g.m, g.n, g.k, g.lda, g.ldb, g.ldc) for kernel in kernels
-                    for g in walk(kernel.body)
-                    if isinstance(g, Gemm) and not g.trans_a and g.m * g.n * g.k >= MEASURED_FMAS
+    trials.measure([trials.key(g) for kernel in kernels for g in walk(kernel.body)
+                    if isinstance(g, Gemm) and _timed(g)
                     and _in_place_tile(g, vector, l2, shared) is not None], vector, l2)
 
 
@@ -160,9 +159,13 @@ def in_place_pays(g: Gemm, vector: tuple[int, int], l2: int) -> bool:
     forced = os.environ.get("LATTE_IN_PLACE")
     if forced in ("0", "1"):
         return forced == "1"
-    if g.m * g.n * g.k < MEASURED_FMAS:
-        return True
-    return trials.beats_blas((g.m, g.n, g.k, g.lda, g.ldb, g.ldc), vector, l2)
+    return not _timed(g) or trials.beats_blas(trials.key(g), vector, l2)
+
+
+def _timed(g: Gemm) -> bool:
+    """Is ``g``'s product (A along its rows) one :func:`in_place_pays` times on the machine?"""
+    return (not g.trans_a and g.m * g.n * g.k >= MEASURED_FMAS
+            and os.environ.get("LATTE_IN_PLACE") not in ("0", "1"))
 
 
 def transposed_a_in_place(vector: tuple[int, int], l2: int) -> bool:
