@@ -12,6 +12,7 @@ from helpers import WeightedSumLoss
 
 from latte import Net
 from latte.compiler.codegen import kernel_buffers
+from latte.compiler.explain import explain_program
 from latte.compiler.ir import accesses
 from latte.stdlib import (
     ConvolutionLayer,
@@ -58,6 +59,9 @@ def test_winograd_layers_share_their_temporaries_and_equal_level_0(level):
             assert not np.shares_memory(a, b)
     assert any(np.shares_memory(a, b) for x, y in itertools.combinations(own, 2)
                for a in x for b in y)
+    text = explain_program(net.program)
+    alone = sum(-(-a.nbytes // 64) * 64 for a in arrays.values()) / 2**20   # 64-byte aligned
+    assert f"{len(arrays)} buffers, " in text and f"{alone:.1f} MiB, share" in text
     if level == 2:   # each layer a kernel of its own: the weights' transforms share
         u = [a for name, a in arrays.items() if ".forward.winograd" in name and name.endswith(".U")]
         assert len(u) == 2 and np.shares_memory(*u)

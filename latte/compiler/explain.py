@@ -166,11 +166,22 @@ def _timed(g: Gemm) -> list[str]:
         "BLAS's speed"]
 
 
+def _arena(program) -> list[str]:
+    """How much memory the transient buffers share (:meth:`Program.transient_layout`)."""
+    placed = program.transient_layout()
+    if not placed:
+        return []
+    alone = sum(end - start for start, end in placed.values())
+    shared = max(end for _, end in placed.values())
+    return [f"temporaries of passes: {len(placed)} buffers, {alone / 2**20:.1f} MiB, share "
+            f"{shared / 2**20:.1f} MiB (filled before read in every kernel using them)"]
+
+
 def explain_program(program) -> str:
     """Per ensemble: shared dimensions, GEMM matches and the generated loops."""
     cached = program.library is not None and program.library.from_cache
     out = [f"opt_level {program.opt_level}; {len(program.buffers.buffers)} buffers; "
-           f"native code {'from the disk cache' if cached else 'compiled'}"]
+           f"native code {'from the disk cache' if cached else 'compiled'}", *_arena(program)]
     out += _locality(program)
     out += _test_phase(program)
     out += _joins(program)

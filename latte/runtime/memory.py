@@ -7,10 +7,8 @@ import os
 
 import numpy as np
 
-from latte.aligned import ALIGN, aligned_zeros, is_aligned
+from latte.aligned import aligned_zeros, is_aligned
 from latte.compiler import Program
-from latte.compiler.codegen import kernel_buffers
-from latte.compiler.ir import accesses
 
 
 def window(home: np.ndarray, shape: tuple[int, ...], offset: int) -> np.ndarray:
@@ -26,33 +24,11 @@ def window(home: np.ndarray, shape: tuple[int, ...], offset: int) -> np.ndarray:
 def shared_transients(program: Program) -> dict:
     """Views of one arena for the transient buffers (:mod:`latte.compiler.buffers`) that
     every kernel using them fills (not a recurrent weight packed before a time loop and read
-    at its steps): kernels run one at a time, so such buffers need only stay apart from those
-    a kernel of theirs also uses. Each takes the lowest place that does (first fit, in plan
-    order): VGG-16's Winograd layers transform their weights into one 16 MiB block, warm in
-    cache from the layer before, instead of one each (its 434 MiB of temporaries in 39;
-    1.05x its batch-1 inference on an Intel Xeon). ``LATTE_SHARE_TRANSIENTS=0``: one
-    allocation each."""
+    at its steps), placed by :meth:`~latte.compiler.program.Program.transient_layout`.
+    ``LATTE_SHARE_TRANSIENTS=0``: one allocation each."""
     if os.environ.get("LATTE_SHARE_TRANSIENTS") == "0":
         return {}
-    transient = program.buffers.transient
-    users: dict = {}     # buffer -> the kernels using it
-    filled: dict = {}    # buffer -> does every kernel using it write it
-    for seg in program.segments():
-        for kernel in seg.kernels:
-            written = {a.buffer for a in accesses(kernel.body) if a.written}
-            for buf in kernel_buffers(kernel):
-                if buf in transient:
-                    users.setdefault(buf, set()).add(id(kernel))
-                    filled[buf] = filled.get(buf, True) and buf in written
-    placed: dict = {}    # buffer -> (start, end) in bytes
-    for buf in [b for b in users if filled[b]]:
-        taken = sorted(span for other, span in placed.items() if users[other] & users[buf])
-        size, at = -(-buf.size * 4 // ALIGN) * ALIGN, 0
-        for start, end in taken:
-            if at + size <= start:
-                break
-            at = max(at, end)
-        placed[buf] = (at, at + size)
+    placed = program.transient_layout()
     arena = aligned_zeros((max((end for _, end in placed.values()), default=0) // 4,), np.float32)
     return {buf: arena[at // 4: at // 4 + buf.size].reshape(buf.shape)
             for buf, (at, _) in placed.items()}
