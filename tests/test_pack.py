@@ -1,6 +1,6 @@
 """Weights packed once before a time loop, and the register-tiled product that reads them:
 the micro-kernel against numpy (packed B and B in place, partial tiles, transposed A, alpha
-and beta, both vector widths), the tile against the register file, an LSTM at opt level 3
+and beta, a bias per column, both vector widths), the tile against the register file, an LSTM at opt level 3
 against level 0, and a convolution's window tiles multiplied in place."""
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ def _run_tiled(m, n, k, rows, cols, lanes, trans_a, alpha, beta, packed=True, se
     return c, expected
 
 
-def _multiply(gemm, a, b, c) -> None:
-    """Compile and run ``gemm(buffers)`` over the arrays ``a``, ``b`` and ``c`` (C in place)."""
-    bufs = [Buffer((x,), x, arr.shape) for x, arr in zip("ABC", (a, b, c))]
+def _multiply(gemm, *arrays) -> None:
+    """Compile and run ``gemm(buffers)`` over ``arrays`` (A, B, C in place, then a bias)."""
+    bufs = [Buffer((x,), x, arr.shape) for x, arr in zip("ABCD", arrays)]
     mb = ModuleBuilder({buf: i for i, buf in enumerate(bufs)})
     mb.add_segment("seg", [Kernel("product", Block((gemm(bufs),)))])
     lib = target().compile(str(mb.module))
-    table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
+    table = (ctypes.c_void_p * len(arrays))(*(x.ctypes.data for x in arrays))
     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lib.address("seg"))(ctypes.addressof(table))
 
 
@@ -100,6 +100,37 @@ def test_dot_products_match_numpy(m, n, k, rows, cols, lanes, alpha, beta):
     _multiply(lambda bufs: Gemm(m, n, k, bufs[0], Affine(), lda, False, bufs[1], Affine(), ldb,
                                 True, bufs[2], Affine(), ldc, alpha=alpha, beta=beta,
                                 panel=(rows, cols, lanes), packed=False), a, b, c)
+    np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
+    np.testing.assert_array_equal(c[:, n:], expected[:, n:])
+
+
+@pytest.mark.parametrize("m,n,k,rows,cols,lanes", [
+    (32, 1024, 64, 4, 64, 16),    # whole tiles
+    (13, 150, 37, 4, 48, 16),     # a partial row tile and a partial panel
+    (9, 40, 20, 6, 16, 8),        # AVX2-sized tiles
+    (50, 40, 30, 4, 32, 16),      # row block by row block
+])
+@pytest.mark.parametrize("form", ["packed", "in place", "dot products"])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_tiled_gemm_adds_a_bias_per_column(m, n, k, rows, cols, lanes, form, beta):
+    """``C = A @ B + beta * C + bias[j]`` (a folded bias, :mod:`latte.compiler.passes.bias`),
+    the bias read from an offset into its buffer; rounded as the product, then the bias."""
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    c = rng.standard_normal((m, n + 3)).astype(np.float32)
+    bias = rng.standard_normal(n + 5).astype(np.float32)
+    expected = c.astype(np.float64)
+    expected[:, :n] = (a.astype(np.float64) @ b.astype(np.float64) + beta * expected[:, :n]
+                       + bias[2:n + 2])
+    trans_b = form == "dot products"
+    op_b = {"packed": _packed(b, cols), "in place": b, "dot products": np.ascontiguousarray(b.T)}[form]
+    ldb = {"packed": cols, "in place": n, "dot products": k}[form]
+    panel = (min(rows, 3), 4, lanes) if trans_b else (rows, cols, lanes)
+    _multiply(lambda bufs: Gemm(m, n, k, bufs[0], Affine(), k, False, bufs[1], Affine(), ldb,
+                                trans_b, bufs[2], Affine(), n + 3, beta=beta, panel=panel,
+                                packed=form == "packed", bias_buf=bufs[3], bias_off=Affine(const=2)),
+              a, op_b, c, bias)
     np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
     np.testing.assert_array_equal(c[:, n:], expected[:, n:])
 

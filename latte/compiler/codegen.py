@@ -127,18 +127,20 @@ class ModuleBuilder:
         return fn
 
     def tiled_product(self, g: Gemm) -> ir.Function:
-        """The register-tiled product ``g`` as a function of its A, B and C pointers, one per
-        module for all products alike (never inlined: compiled once)."""
+        """The register-tiled product ``g`` as a function of its A, B and C pointers (and its
+        bias's), one per module for all products alike (never inlined: compiled once)."""
+        biased = g.bias_buf is not None
         key = (g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.alpha, g.beta, g.trans_a, g.trans_b, g.packed,
-               g.panel)
+               g.panel, biased)
         fn = self._tiled.get(key)
         if fn is None:
-            fn = self._tiled[key] = self.function(f"tiled{len(self._tiled)}", 3, [])
+            fn = self._tiled[key] = self.function(f"tiled{len(self._tiled)}", 3 + biased, [])
             fn.attributes.add("noinline")
             vec = ir.VectorType(F32, g.panel[2])
             fma = self.declare(f"llvm.fma.v{vec.count}f32", vec, [vec] * 3)
             emitter = _KernelEmitter(self, fn, {}, None)
-            microkernel.emit(emitter.b, g, *fn.args, fma, emitter.counted)
+            microkernel.emit(emitter.b, g, *fn.args[:3], fma, emitter.counted,
+                             bias=fn.args[3] if biased else None)
             emitter.b.ret_void()
         return fn
 
@@ -424,8 +426,9 @@ class _KernelEmitter:
         OpenBLAS's sgemm runs it at a third of sgemv's speed), else sgemm."""
         ptr = lambda buf, off: self.b.gep(self.args[buf], [self.affine(off)], inbounds=True)  # noqa: E731
         if g.panel:
+            bias = [ptr(g.bias_buf, g.bias_off)] if g.bias_buf is not None else []
             self.b.call(self.mb.tiled_product(g), [ptr(g.a_buf, g.a_off), ptr(g.b_buf, g.b_off),
-                                                   ptr(g.c_buf, g.c_off)])
+                                                   ptr(g.c_buf, g.c_off), *bias])
             return
         c = lambda x: ir.Constant(I32, int(x))  # noqa: E731
         alpha, beta = ir.Constant(F32, g.alpha), ir.Constant(F32, g.beta)

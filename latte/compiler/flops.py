@@ -2,7 +2,8 @@
 
 Counted on the loop IR the compiler generated, not on the layer's formula:
 
-* a :class:`~latte.compiler.ir.Gemm` is ``2 * m * n * k`` (exact);
+* a :class:`~latte.compiler.ir.Gemm` is ``2 * m * n * k`` (exact), ``m * n`` more with a
+  bias added as it stores;
 * in a loop body, each float ``+ - * / max min``, each float comparison and each call
   (``exp``, ``log``, ``tanh``, ``sqrt``, ``abs``) is one operation, and so is a float
   ``+=`` (``-=``, ...) itself; loads, stores, selects, negations and integer index
@@ -78,7 +79,7 @@ class _Counter:
         if isinstance(s, Loop):
             return self.stmt(s.body, (*loops, (s.var, s.start, s.stop)), guards)
         if isinstance(s, Gemm):
-            return 2 * s.m * s.n * s.k * _points(loops, guards)
+            return (2 * s.k + (s.bias_buf is not None)) * s.m * s.n * _points(loops, guards)
         if isinstance(s, If):
             cond = self.inline(s.cond)
             here = _expr_flops(cond, loops) * _points(loops, guards)

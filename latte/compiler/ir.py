@@ -297,7 +297,9 @@ class Gemm(Stmt):
     ``cols``, ``trans_b`` False), and the product computed ``rows x cols`` at a time in
     vectors of ``lanes`` floats (:mod:`latte.compiler.microkernel`) instead of by BLAS.
     With ``packed`` False the tiled product reads B in place (rows ``ldb`` apart), or, with
-    ``trans_b``, computes ``rows x cols`` dot products along ``k`` at a time.
+    ``trans_b``, computes ``rows x cols`` dot products along ``k`` at a time. A tiled
+    product with a ``bias_buf`` then adds ``bias_buf[bias_off + j]`` to each element of
+    column ``j`` (:mod:`latte.compiler.passes.bias`).
     """
 
     m: int
@@ -318,6 +320,8 @@ class Gemm(Stmt):
     beta: float = 1.0
     panel: tuple[int, int, int] = ()
     packed: bool = True
+    bias_buf: Buffer | None = None
+    bias_off: Affine = Affine()
 
     @property
     def b_rows(self) -> int:
@@ -481,6 +485,9 @@ def accesses(node: Node) -> list[Access]:
                 Access(n.b_buf, n.b_off, False, block=((n.ldb, n.b_rows), (1, b_cols)),
                        loops=loops),
                 Access(n.c_buf, n.c_off, True, block=((n.ldc, n.m), (1, n.n)), loops=loops)))
+            if n.bias_buf is not None:
+                out.append(Access(n.bias_buf, n.bias_off, False, block=((n.n, 1), (1, n.n)),
+                                  loops=loops))
         for c in children(n):
             visit(c, loops)
 

@@ -78,9 +78,10 @@ def dot_tile(m: int, n: int, lanes: int, registers: int) -> tuple[int, int]:
 
 
 def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Function,
-         counted) -> None:
+         counted, bias: ir.Value | None = None) -> None:
     """The product ``g`` (a :class:`~latte.compiler.ir.Gemm` with a ``panel``), with ``a``,
-    ``bp`` and ``c`` pointing at its A, B and C blocks; ``fma``: ``llvm.fma`` on vectors of
+    ``bp`` and ``c`` pointing at its A, B and C blocks (and ``bias`` at its bias, added to
+    each column as a tile is stored); ``fma``: ``llvm.fma`` on vectors of
     ``g.panel[2]`` floats; ``counted(name, lo, hi, body)``: codegen's loop. B is packed
     (panels ``k * cols`` apart, rows ``cols``) or read in place (panels ``cols`` apart,
     rows ``ldb``); B read transposed in place: :func:`emit_dot`. Where A has more rows than
@@ -89,7 +90,7 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
     transposed spreads a block over ``k`` lines: those products ran slower so); else panel
     by panel, each staying in cache over every row block."""
     if g.trans_b:
-        emit_dot(b, g, a, bp, c, fma, counted)
+        emit_dot(b, g, a, bp, c, fma, counted, bias)
         return
     rows, cols, lanes = g.panel
     full, tail = divmod(g.n, cols)
@@ -100,7 +101,7 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
         """The ``height`` rows from ``row`` times panel ``p + first`` (``width`` columns)."""
         at = b.add(b.mul(p, _i64(panel_size)), _i64(first * panel_size))
         col = b.add(b.mul(p, _i64(cols)), _i64(first * cols))
-        _tile(b, g, a, b.gep(bp, [at]), c, row, col, height, width, fma)
+        _tile(b, g, a, b.gep(bp, [at]), c, row, col, height, width, fma, bias)
 
     def panels(row, height: int) -> None:   # every panel, one row block
         if full:
@@ -127,7 +128,7 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
         row_blocks(_i64(0), full, tail)
 
 
-def _tile(b, g, a, panel, c, row, col, rows: int, width: int, fma) -> None:
+def _tile(b, g, a, panel, c, row, col, rows: int, width: int, fma, bias) -> None:
     """``C[row:row + rows, col:col + width] (=|+=) A[row:row + rows, :] @ panel``."""
     _, cols, lanes = g.panel
     vec = ir.VectorType(F32, lanes)
@@ -163,8 +164,10 @@ def _tile(b, g, a, panel, c, row, col, rows: int, width: int, fma) -> None:
     for i in range(rows):
         line = b.gep(c, [b.add(b.mul(b.add(row, _i64(i)), _i64(g.ldc)), col)])
         for j in range(vecs):
+            at = b.add(col, _i64(j * lanes))
             _store(b, g, b.gep(line, [_i64(j * lanes)]), accs[i][j],
-                   min(lanes, width - j * lanes), fma)
+                   min(lanes, width - j * lanes), fma,
+                   None if bias is None else b.gep(bias, [at]))
 
 
 def _load(b, at, vec: ir.VectorType, count: int) -> ir.Value:
@@ -178,8 +181,9 @@ def _load(b, at, vec: ir.VectorType, count: int) -> ir.Value:
     return out
 
 
-def _store(b, g, at, acc, count: int, fma) -> None:
-    """``C = alpha * acc + beta * C`` for the first ``count`` lanes at ``at``."""
+def _store(b, g, at, acc, count: int, fma, bias) -> None:
+    """``C = alpha * acc + beta * C`` (then ``+ bias``, where ``bias`` points at the bias of
+    these columns) for the first ``count`` lanes at ``at``."""
     vec = acc.type
     if g.alpha != 1.0:
         acc = b.fmul(acc, _splat(b, ir.Constant(F32, g.alpha), vec))
@@ -187,6 +191,8 @@ def _store(b, g, at, acc, count: int, fma) -> None:
         ptr = b.bitcast(at, vec.as_pointer())
         if g.beta != 0.0:
             acc = b.call(fma, [_splat(b, ir.Constant(F32, g.beta), vec), b.load(ptr, align=4), acc])
+        if bias is not None:
+            acc = b.fadd(acc, b.load(b.bitcast(bias, vec.as_pointer()), align=4))
         b.store(acc, ptr, align=4)
         return
     for lane in range(count):   # a last partial panel: the lanes that lie in C
@@ -194,11 +200,13 @@ def _store(b, g, at, acc, count: int, fma) -> None:
         x = b.extract_element(acc, _i64(lane))
         if g.beta != 0.0:
             x = b.fadd(x, b.fmul(ir.Constant(F32, g.beta), b.load(ptr)))
+        if bias is not None:
+            x = b.fadd(x, b.load(b.gep(bias, [_i64(lane)])))
         b.store(x, ptr)
 
 
 def emit_dot(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Function,
-             counted) -> None:
+             counted, bias: ir.Value | None = None) -> None:
     """``C (=|+=) A @ B^T`` where A (``m x k``) and B (``n x k``) both run along ``k``, as
     a convolution's weight gradient reads the output gradient and the gathered windows
     (pixels innermost in both): ``rows x cols`` dot products at a time, each accumulated in
@@ -225,7 +233,7 @@ def emit_dot(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir
                 _loop(b, counted, "mk.outer", o_count, row)
 
     def dot(i, j, r: int, s: int) -> None:
-        _dot_tile(b, g, a, bp, c, i, j, r, s, fma)
+        _dot_tile(b, g, a, bp, c, i, j, r, s, fma, bias)
 
     if g.n >= g.m:   # columns outside: B's rows stay in L1 while A's blocks stream
         sweep(runs(g.n, cols), runs(g.m, rows), lambda j, i, s, r: dot(i, j, r, s))
@@ -241,7 +249,7 @@ def _loop(b, counted, name: str, count: int, body) -> None:
         counted(name, _i64(0), _i64(count), body)
 
 
-def _dot_tile(b, g, a, bp, c, row, col, rows: int, cols: int, fma) -> None:
+def _dot_tile(b, g, a, bp, c, row, col, rows: int, cols: int, fma, bias) -> None:
     """``C[row:row + rows, col:col + cols] (=|+=) A[row:row + rows, :] @ B[col:col + cols, :]^T``."""
     lanes = g.panel[2]
     vec = ir.VectorType(F32, lanes)
@@ -291,6 +299,8 @@ def _dot_tile(b, g, a, bp, c, row, col, rows: int, cols: int, fma) -> None:
                 x = b.fmul(ir.Constant(F32, g.alpha), x)
             if g.beta != 0.0:
                 x = b.fadd(x, b.fmul(ir.Constant(F32, g.beta), b.load(ptr)))
+            if bias is not None:
+                x = b.fadd(x, b.load(b.gep(bias, [b.add(col, _i64(j))])))
             b.store(x, ptr)
 
 

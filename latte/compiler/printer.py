@@ -98,10 +98,11 @@ def fmt_stmt(s, indent: int = 0) -> list[str]:
             b = "packed" if s.packed else b
         else:
             call, ta = "sgemm(", ta + tb
+        bias = "" if s.bias_buf is None else f", + {s.bias_buf.name}[{fmt_expr(s.bias_off)}:] per column"
         return [f"{pad}{call}{ta}, m={s.m}, n={s.n}, k={s.k}, "
                 f"A={s.a_buf.name}[{fmt_expr(s.a_off)}:] lda={s.lda}, "
                 f"B={s.b_buf.name}[{fmt_expr(s.b_off)}:] {b}, "
-                f"C={s.c_buf.name}[{fmt_expr(s.c_off)}:] ldc={s.ldc}, beta={s.beta:g})"]
+                f"C={s.c_buf.name}[{fmt_expr(s.c_off)}:] ldc={s.ldc}, beta={s.beta:g}{bias})"]
     return [pad + repr(s)]
 
 

@@ -1,0 +1,176 @@
+"""Bias folding (:mod:`latte.compiler.passes.bias`): a bias nest after a tiled product is
+added as the product stores its tiles. Folded nets give the same bits as unfolded ones and
+agree with level 0; nests that do not add a bias to exactly the product's output stay."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import assert_scaled_close, set_biases
+
+from latte import Net
+from latte.compiler import Segment, TimeSteps
+from latte.compiler.ir import (
+    Affine,
+    AugAssign,
+    Block,
+    Buffer,
+    Gemm,
+    Kernel,
+    Load,
+    Loop,
+    LoopKind,
+    Ref,
+    walk,
+)
+from latte.compiler.passes.bias import fold_bias
+from latte.stdlib import (
+    FullyConnectedLayer,
+    LSTMLayer,
+    MemoryDataLayer,
+    ReLULayer,
+    SoftmaxLossLayer,
+)
+
+
+def _kernels(net: Net) -> list[Kernel]:
+    out = []
+    for step in (*net.program.forward, *net.program.test):
+        segs = step.steps if isinstance(step, TimeSteps) else [step]
+        out += [k for s in segs if isinstance(s, Segment) for k in s.kernels]
+    return out
+
+
+def _biased(net: Net) -> set[str]:
+    """The biases added by tiled products in ``net``'s forward and test code."""
+    return {g.bias_buf.name for k in _kernels(net) for g in walk(k.body)
+            if isinstance(g, Gemm) and g.bias_buf is not None}
+
+
+def _bias_nests(net: Net) -> set[str]:
+    """The biases still added by a nest of their own."""
+    return {n.value.ref.buffer.name for k in _kernels(net) for n in walk(k.body)
+            if isinstance(n, AugAssign) and isinstance(n.value, Load)
+            and n.value.ref.buffer.name.endswith(".bias")}
+
+
+def _mlp(level: int, batch: int = 37, threads: int = 2) -> Net:
+    net = Net(batch, opt_level=level, num_threads=threads, seed=3)
+    x = MemoryDataLayer(net, "x", (300,))
+    label = MemoryDataLayer(net, "label", (1,))
+    h = ReLULayer("r1", net, FullyConnectedLayer("fc1", net, x, 200))
+    h = ReLULayer("r2", net, FullyConnectedLayer("fc2", net, h, 77))
+    SoftmaxLossLayer("loss", net, FullyConnectedLayer("out", net, h, 10), label)
+    net.init()
+    return net
+
+
+def _lstm(level: int, threads: int = 2) -> Net:
+    net = Net(13, time_steps=4, opt_level=level, num_threads=threads, seed=5)
+    x = MemoryDataLayer(net, "x", (9,))
+    label = MemoryDataLayer(net, "label", (1,))
+    h = LSTMLayer("lstm", net, x, 150)
+    SoftmaxLossLayer("loss", net, FullyConnectedLayer("out", net, h, 6), label)
+    net.init()
+    return net
+
+
+def _run(nets: list[Net], x_shape_classes: int) -> None:
+    """The same parameters, inputs and labels into each net, then forward and backward."""
+    rng = np.random.default_rng(0)
+    set_biases(nets[0], rng)
+    x = rng.standard_normal(nets[0].value("x").shape).astype(np.float32)
+    labels = rng.integers(0, x_shape_classes, nets[0].value("label").shape)
+    for net in nets:
+        for p, q in zip(nets[0].params, net.params, strict=True):
+            q.value[...] = p.value
+        net.value("x")[...] = x
+        net.value("label")[...] = labels
+        net.forward()
+        net.backward()
+
+
+@pytest.mark.parametrize("build,classes,outputs,folds", [
+    (_mlp, 10, ("fc1", "fc2", "out"), ("fc1", "fc2")),
+    (_lstm, 6, ("lstm", "out"), ("lstm.hh", "out")),
+])
+def test_folded_biases_give_the_same_bits(monkeypatch, build, classes, outputs, folds):
+    """The tiled projections' biases are folded (an MLP's split unevenly over the threads,
+    an LSTM's recurrent one at every step), with the same values and gradients as the
+    separate nests, bit for bit, and as level 0."""
+    folded = build(3)
+    monkeypatch.setenv("LATTE_FOLD_BIAS", "0")
+    apart, base = build(3), build(0)
+    assert not _biased(apart) and not _biased(folded) & _bias_nests(folded)
+    assert _biased(folded) | _bias_nests(folded) == _bias_nests(apart)
+    assert {f"{name}.bias" for name in folds} <= _biased(folded)
+    _run([base, folded, apart], classes)
+    for name in outputs:
+        np.testing.assert_array_equal(folded.value(name), apart.value(name))
+        assert_scaled_close(folded.value(name), base.value(name), 1e-5, f"{name} values")
+    for p, q in zip(apart.params, folded.params, strict=True):
+        np.testing.assert_array_equal(q.grad, p.grad)
+
+
+def test_products_blas_runs_keep_their_nests(monkeypatch):
+    monkeypatch.setenv("LATTE_PACK", "0")
+    net = _mlp(3)
+    assert not _biased(net) and _bias_nests(net) == {"fc1.bias", "fc2.bias", "out.bias"}
+
+
+# ---------------------------------------------------------------- the pass on IR
+
+M, N, K = 8, 64, 5
+A, B, C = Buffer(("a",), "a", (M, K)), Buffer(("b",), "b", (K, N)), Buffer(("c",), "c", (M, N))
+BIAS = Buffer(("bias",), "bias", (N, 1))
+
+
+def _split_product(rows: bool, beta: float = 0.0) -> Loop:
+    """The product over 2 threads, by rows or by columns."""
+    m, n = (M // 2, N) if rows else (M, N // 2)
+    g = Gemm(m, n, K, A, Affine.of("_c", m * K if rows else 0), K, False, B,
+             Affine.of("_c", 0 if rows else n), N, False, C,
+             Affine.of("_c", m * N if rows else n), N, beta=beta, panel=(4, 32, 16), packed=False)
+    return Loop("_c", 0, 2, Block((g,)), LoopKind.PARALLEL)
+
+
+def _nest(rows: int = M, target: Buffer = C, by_row: bool = False, op: str = "+") -> Loop:
+    """``target[i, j] += bias[j]`` over ``rows`` rows (``bias[i]`` with ``by_row``)."""
+    i, j = Affine.of("i"), Affine.of("j")
+    add = AugAssign(Ref(target, (i, j), (M, N)), op,
+                    Load(Ref(BIAS, (i if by_row else j, Affine()), (N, 1))))
+    return Loop("i", 0, rows, Block((Loop("j", 0, N, Block((add,))),)), LoopKind.PARALLEL)
+
+
+def _fold(*stmts) -> tuple:
+    return fold_bias(Kernel("k", Block(stmts))).body.stmts
+
+
+@pytest.mark.parametrize("rows", [True, False])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_the_bias_follows_each_threads_block(rows, beta):
+    (loop,) = _fold(_split_product(rows, beta), _nest())
+    g = loop.body.stmts[0]
+    assert g.bias_buf is BIAS and g.beta == beta
+    # columns split: thread _c's block starts at column 32 * _c, and so does its bias
+    assert g.bias_off == (Affine() if rows else Affine.of("_c", N // 2))
+
+
+@pytest.mark.parametrize("nest", [
+    _nest(rows=M // 2),            # half the product's rows
+    _nest(target=A),               # another buffer
+    _nest(by_row=True),            # a bias per row
+    _nest(op="*"),                 # not an add
+])
+def test_nests_other_than_a_bias_over_the_output_stay(nest):
+    product = _split_product(False)
+    assert _fold(product, nest) == (product, nest)
+
+
+def test_blas_products_and_the_switch_keep_the_nest(monkeypatch):
+    product = _split_product(False)
+    blas = Loop("_c", 0, 2, Block((Gemm(**{**vars(product.body.stmts[0]), "panel": ()}),)),
+                LoopKind.PARALLEL)
+    assert len(_fold(blas, _nest())) == 2
+    monkeypatch.setenv("LATTE_FOLD_BIAS", "0")
+    assert len(_fold(product, _nest())) == 2
