@@ -50,6 +50,7 @@ from latte.compiler.ir import (
 )
 from latte.compiler.microkernel import dot_tile, tile
 from latte.compiler.passes.data_copy import nest, variables
+from latte.compiler.passes.parallel import parallel
 
 # rows of A a packed element must serve outside a time loop, and when packing reads B across
 # its rows: an MLP's 1024x1024 weights packed for 128 rows cost more than the tiles gain
@@ -267,9 +268,12 @@ def _packed(g: Gemm, around: tuple, name: str, bufs, vector: tuple[int, int], l2
         return out
 
     def fill(first: int, count: int, width: int) -> Loop:
-        """Panels ``first .. first + count - 1``: their first ``width`` columns from B."""
+        """Panels ``first .. first + count - 1``: their first ``width`` columns from B;
+        spread over the threads where no loop around the nest is (each thread packing its
+        own slice of B) and there are two panels or more."""
         inner = columns(0, width, False) + (columns(width, cols, True) if width < cols else [])
-        return Loop(p, first, first + count, Block(tuple(inner)))
+        filled = Loop(p, first, first + count, Block(tuple(inner)))
+        return parallel(filled, 1) if bufs.threads > 1 and not loops and count > 1 else filled
 
     whole, tail = divmod(g.n, cols)
     stmt = Block(tuple(([fill(0, whole, cols)] if whole else []) + ([fill(whole, 1, tail)] if tail else [])))
