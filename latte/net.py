@@ -16,6 +16,7 @@ from latte.compiler.blas import pin_other_blas, set_blas_threads
 from latte.compiler.jit import openmp
 from latte.compiler.update import ParamBuffers, UpdateRule
 from latte.lang import DataEnsemble, Ensemble, Graph, NormalizationEnsemble, Phase
+from latte.lang.ensemble import published, unpublished
 from latte.overrides import pick
 from latte.runtime import checkpoint, distributed
 from latte.runtime.executor import Executor
@@ -30,7 +31,9 @@ from latte.solvers.algorithms import SGD_RULE
 class Parameter:
     """A learnable array: ``value`` and ``grad`` are live views of the net's buffers.
     ``state`` holds the solvers' per-parameter arrays by name (SGD's ``"history"``, Adam's
-    ``"exp_avg"``...), created zero when a solver first needs them."""
+    ``"exp_avg"``...), created zero when a solver first needs them. ``axes``: the order the
+    views show the stored axes in, where the layer publishes them in another (None: as
+    stored)."""
 
     name: str
     value: np.ndarray
@@ -38,12 +41,19 @@ class Parameter:
     lr_mult: float
     decay_mult: float
     state: dict[str, np.ndarray] = field(default_factory=dict)
+    axes: tuple[int, ...] | None = None
 
     def solver_state(self, name: str) -> np.ndarray:
-        """The state array ``name`` (zeros of the parameter's shape when new)."""
+        """The state array ``name`` (zeros of the parameter's shape when new, stored as the
+        value is: the compiled update walks both alike)."""
         if name not in self.state:
-            self.state[name] = aligned_zeros(self.value.shape, np.float32)
+            zeros = aligned_zeros(self.stored(self.value).shape, np.float32)
+            self.state[name] = published(zeros, self.axes)
         return self.state[name]
+
+    def stored(self, array: np.ndarray) -> np.ndarray:
+        """``array`` (the value, its gradient or a state) as stored: contiguous."""
+        return unpublished(array, self.axes)
 
     @property
     def history(self) -> np.ndarray:
@@ -104,10 +114,10 @@ class Net(Graph):
         self.params = []
         for ens, name in self.program.params:
             f = ens.fields[name]
-            value, grad = (self._memory[b].reshape(f.given_shape)   # the shape the user gave
+            value, grad = (ens.public(name, self._memory[b].reshape(f.given_shape))
                            for b in (bufs.field(ens, name), bufs.field_grad(ens, name)))
-            self.params.append(Parameter(ens.field_name(name), value, grad,
-                                         f.spec.lr_mult, f.spec.decay_mult))
+            self.params.append(Parameter(ens.field_name(name), value, grad, f.spec.lr_mult,
+                                         f.spec.decay_mult, axes=ens.public_axes.get(name)))
         self._updater = Updater(self.params, [ParamBuffers(p.name, bufs.field(e, n),
                                                            bufs.field_grad(e, n))
                                               for p, (e, n) in zip(self.params, self.program.params)],
@@ -123,9 +133,9 @@ class Net(Graph):
         reduced gradients, but a reduction may round differently on each rank; ``solve``
         calls this once per epoch so such differences cannot accumulate."""
         for p in self.params:
-            distributed.broadcast(p.value)
+            distributed.broadcast(p.stored(p.value))
             for name in sorted(p.state):
-                distributed.broadcast(p.state[name])
+                distributed.broadcast(p.stored(p.state[name]))
 
     def _ready(self) -> None:
         if self.program is None:

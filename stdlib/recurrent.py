@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from latte.errors import DataError, ShapeError
-from latte.lang import DataEnsemble, Ensemble, Field, Neuron, Param, add_connections
+from latte.lang import DataEnsemble, Ensemble, Neuron, Param, add_connections
 from latte.random import generator
 from latte.stdlib.fully_connected import WeightedNeuron
 
@@ -63,43 +63,41 @@ BLOCK = 16   # the lookup finds an id's block of rows first, then the row in it
 
 
 class EmbeddingNeuron(Neuron):
-    """Output ``j`` of a table lookup: ``weight[id, j]`` for the id in ``inputs[0][0]``.
+    """Output ``j`` of a table lookup: ``weight[id]`` for the id in ``inputs[0][0]``, where
+    ``weight`` is this output's column of the table (``vocab`` entries).
 
-    Every neuron's ``weight`` vector is the whole table (PyTorch's ``(vocab, dim)``
-    layout) and ``column`` is row ``j`` of the identity, which picks column ``j`` of the
-    selected row. The neuron language has no index computed from a value, so the row is
-    found by comparisons: first the block of :data:`BLOCK` rows holding the id, then the
-    row in it (the rows past the last whole block one by one). No address depends on the
-    data; an id that is no row number selects nothing. Backward is derived.
+    The neuron language has no index computed from a value, so the entry is found by
+    comparisons: first the block of :data:`BLOCK` entries holding the id, then the entry in
+    it (the entries past the last whole block one by one); compiled, the comparisons run
+    once per item and every output then loads its entry. No address depends on the data;
+    an id that is no row number selects nothing. Backward is derived.
     """
 
     weight: Param
-    column: Field
 
     def forward(self):
         x = self.inputs[0][0]
-        for a in range(len(self.weight) // len(self.column) // BLOCK):
+        for a in range(len(self.weight) // BLOCK):
             if x >= a * BLOCK and x < a * BLOCK + BLOCK:
                 for b in range(BLOCK):
                     if x == a * BLOCK + b:
-                        for k in range(len(self.column)):
-                            self.value += self.weight[a * BLOCK + b, k] * self.column[k]
-        for v in range(len(self.weight) // len(self.column) // BLOCK * BLOCK,
-                       len(self.weight) // len(self.column)):
+                        self.value += self.weight[a * BLOCK + b]
+        for v in range(len(self.weight) // BLOCK * BLOCK, len(self.weight)):
             if x == v:
-                for k in range(len(self.column)):
-                    self.value += self.weight[v, k] * self.column[k]
+                self.value += self.weight[v]
 
 
 class EmbeddingEnsemble(Ensemble):
-    """The lookup's ensemble: before each forward pass it checks that the ids a data
-    ensemble holds are row numbers of the table, and names the layer when one is not."""
+    """The lookup's ensemble: the table is stored a column per output (``(dim, vocab)``)
+    and published as PyTorch's ``(vocab, dim)``. Before each forward pass it checks that
+    the ids a data ensemble holds are row numbers of the table, and names the layer when
+    one is not."""
 
     def __init__(self, net, name: str, input_ens, vocab_size: int, dim: int):
         self.ids, self.vocab_size = input_ens, vocab_size
         table = generator().standard_normal((vocab_size, dim)).astype(np.float32)
-        super().__init__(net, name, EmbeddingNeuron, (dim,), weight=(table, lambda j: ()),
-                         column=np.eye(dim, dtype=np.float32))
+        super().__init__(net, name, EmbeddingNeuron, (dim,), weight=np.ascontiguousarray(table.T))
+        self.public_axes["weight"] = (1, 0)
 
     def before_forward(self, phase, fields) -> None:
         if not isinstance(self.ids, DataEnsemble):

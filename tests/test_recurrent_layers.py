@@ -9,6 +9,8 @@ import pytest
 from helpers import WeightedSumLoss, assert_scaled_close
 
 from latte import Net
+from latte.compiler.ir import BinOp, Load, walk
+from latte.compiler.printer import format_ir
 from latte.errors import DataError, ShapeError
 from latte.stdlib import (
     EmbeddingLayer,
@@ -152,6 +154,43 @@ def test_embedding(opt_level, threads):
     (out * torch.tensor(loss.w, dtype=torch.float64)).sum().backward()
     assert_scaled_close(net.value(emb), out.detach().numpy(), RTOL, "embedding")
     assert_scaled_close(table.grad, temb.weight.grad.numpy(), RTOL, "gradient of the table")
+
+
+def test_embedding_table_is_published_as_pytorch_lays_it_out(tmp_path):
+    """The table is stored a column per output and published ``(vocab, dim)``: the value,
+    the gradient, the solver's history and a snapshot all in that layout, element for
+    element. The lookup costs loads, not a product: the compiled forward has no multiply."""
+    vocab, dim, batch = 37, 20, 6
+    net = Net(batch, seed=1)
+    ids = MemoryDataLayer(net, "ids", (1,))
+    emb = EmbeddingLayer("emb", net, ids, vocab, dim)
+    loss = WeightedSumLoss(net, "loss", emb)
+    net.init()
+    (table,) = net.params
+    w = np.random.default_rng(0).standard_normal((vocab, dim)).astype(np.float32)
+    table.value[...] = w
+    x = np.array([5, 36, 5, 0, 17, 31])
+    net.value(ids)[:, 0] = x
+    net.forward()
+    np.testing.assert_array_equal(net.value(emb), w[x])
+    net.backward()
+    grad = np.zeros_like(w)
+    np.add.at(grad, x, np.broadcast_to(loss.w, (batch, dim)))
+    np.testing.assert_allclose(table.grad, grad, rtol=1e-6)
+    net.update(0.1, 0.9, 0.01)   # history = 0.1 * (grad + 0.01 * w); value = w - history
+    np.testing.assert_allclose(table.history, 0.1 * (grad + 0.01 * w), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(table.value, w - table.history, rtol=1e-6, atol=1e-7)
+    net.save(tmp_path / "snap.h5")
+    saved, history = table.value.copy(), table.history.copy()
+    table.value[...], table.history[...] = 0.0, 0.0
+    net.load(tmp_path / "snap.h5")
+    np.testing.assert_array_equal(table.value, saved)
+    np.testing.assert_array_equal(table.history, history)
+    forward = next(k for p in net.program.plans if p.ensemble is emb
+                   for name, k in p.kernels.items() if name == "forward")
+    loads_multiplied = [n for n in walk(forward.body) if isinstance(n, BinOp) and n.op == "*"
+                        and any(isinstance(x, Load) for x in (n.lhs, n.rhs))]
+    assert not loads_multiplied, format_ir(forward)
 
 
 @pytest.mark.parametrize("bad", [-1.0, 6.0, 2.5])

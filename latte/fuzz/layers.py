@@ -220,8 +220,8 @@ def _mean_pool_exclusive(rng, net, name, src, pool):
 LAYERS.append(Layer("meanpool_exclusive", image, _mean_pool_exclusive))
 
 
-# ---- recurrent layers (issue 12, item 4): in nets with time steps, on any ensemble; the
-# embedding is left out (it reads integer ids, which random data is not)
+# ---- recurrent layers (issue 12, item 4): in nets with time steps, on any ensemble (the
+# embedding reads ids, which random data is not: latte.fuzz.nets adds it with an input of ids)
 def _recurrent(rng, net, name, src, pool):
     layer = pick(rng, [RNNLayer, LSTMLayer, GRULayer])
     hidden = int(rng.integers(1, 5))

@@ -24,6 +24,7 @@ from latte.lang import DataEnsemble, sources
 from latte.stdlib import (
     ConvolutionLayer,
     DropoutLayer,
+    EmbeddingLayer,
     FullyConnectedLayer,
     MaxPoolingLayer,
     MeanPoolingLayer,
@@ -306,6 +307,20 @@ def _add_gathered(rng, net, prefix: str, inputs: list, ens: list, readers: dict)
     ens.append(top)
 
 
+def _add_embedding(rng, net, prefix: str, case: Case, ens: list, readers: dict) -> None:
+    """In a fifth of the cases: a table lookup (vocabularies across the lookup's blocks of
+    16 rows) over an input of ids, fed as class indices are. Drawn from a stream of its own:
+    the case's other ensembles stay as they were."""
+    if rng.random() >= 0.2:
+        return
+    vocab = int(rng.integers(2, 40))
+    ids = MemoryDataLayer(net, f"{prefix}ids", (1,))
+    case.labels.append((ids, vocab))
+    new = EmbeddingLayer(f"{prefix}emb", net, ids, vocab, int(rng.integers(1, 20)))
+    readers[ids.name], readers[new.name] = 1, 0
+    ens.append(new)
+
+
 def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.0) -> Case:
     """Add case ``seed`` to ``net``: inputs, 2-4 layers, and a loss on every ensemble no
     layer reads. ``loss(net, name, ens)`` adds a loss over ``ens`` (default: softmax
@@ -355,6 +370,7 @@ def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.
     _recur(rng, net, pending, ens, readers)
     _add_layers(np.random.default_rng([seed, 5]), net, p, ens, readers, sealed)
     _add_gathered(np.random.default_rng([seed, 13]), net, p, case.inputs, ens, readers)
+    _add_embedding(np.random.default_rng([seed, 17]), net, p, case, ens, readers)
     sinks = [e for e in ens if readers[e.name] == 0 and e.name not in sealed
              and not isinstance(e, DataEnsemble)]
     for j, e in enumerate(sinks):

@@ -29,6 +29,16 @@ class FieldData:
         return self.array.shape[self.lead_ndim:]
 
 
+def published(array: np.ndarray, axes: tuple[int, ...] | None) -> np.ndarray:
+    """``array`` as stored, viewed with its axes in the published order ``axes``."""
+    return array if axes is None else array.transpose(axes)
+
+
+def unpublished(array: np.ndarray, axes: tuple[int, ...] | None) -> np.ndarray:
+    """A published array viewed in the order it is stored in (contiguous if it is)."""
+    return array if axes is None else array.transpose(np.argsort(axes))
+
+
 def _shape(shape) -> tuple[int, ...]:
     shape = (shape,) if isinstance(shape, (int, np.integer)) else tuple(int(d) for d in shape)
     if not shape or any(d <= 0 for d in shape):
@@ -85,6 +95,9 @@ class Ensemble(BaseEnsemble):
         # a layer made of several ensembles may publish a field under the layer's name
         # (an LSTM's "lstm.weight_ih", as PyTorch names it): field -> public name
         self.public_names: dict[str, str] = {}
+        # and in another order of its axes than it is stored in (an embedding's table, stored
+        # a column per neuron, published as PyTorch's (vocab, dim)): field -> axes
+        self.public_axes: dict[str, tuple[int, ...]] = {}
         specs = field_specs(neuron_type)
         missing = set(specs) - set(fields)
         extra = set(fields) - set(specs)
@@ -99,6 +112,15 @@ class Ensemble(BaseEnsemble):
         """The name a field goes by in ``net.params`` and snapshots: ``"<ensemble>.<field>"``
         unless the layer published it under another."""
         return self.public_names.get(fname, f"{self.name}.{fname}")
+
+    def public(self, fname: str, array: np.ndarray) -> np.ndarray:
+        """A view of ``array`` (field ``fname`` as stored, its ``given_shape``) in the order
+        the field is published in (a parameter's ``.value`` and ``.grad``)."""
+        return published(array, self.public_axes.get(fname))
+
+    def stored(self, fname: str, array: np.ndarray) -> np.ndarray:
+        """The inverse of :meth:`public`: a published array viewed as the field is stored."""
+        return unpublished(array, self.public_axes.get(fname))
 
     def _field(self, fname: str, spec: FieldSpec, given) -> FieldData:
         index_map = None

@@ -133,7 +133,8 @@ class Reference:
         for ens in self._neuron_ensembles():
             for name, f in ens.fields.items():
                 if f.spec.kind is FieldKind.PARAM:
-                    self.params[_key(ens, name)] = np.array(f.array, np.float64).reshape(f.given_shape)
+                    self.params[_key(ens, name)] = ens.public(
+                        name, np.array(f.array, np.float64).reshape(f.given_shape))
                 elif f.spec.kind is FieldKind.BATCH:
                     self.fields[_key(ens, name)] = np.broadcast_to(
                         f.array.astype(np.float64), (*lead, *f.array.shape)).copy()
@@ -167,7 +168,7 @@ class Reference:
             if array.size != store[key].size:
                 raise ShapeError(f"Reference: {what} {key!r} has shape {array.shape}, expected "
                                  f"{store[key].shape}")
-            store[key] = array.reshape(store[key].shape).copy()
+            store[key][...] = array.reshape(store[key].shape)
 
     # ------------------------------------------------------------ running
     def forward(self, inputs: dict[str, np.ndarray], phase: Phase = Phase.TRAIN) -> None:
@@ -343,11 +344,11 @@ class Reference:
             rows = self._rows[k]
             n_rows = int(np.prod(f.array.shape[:f.lead_ndim]))
             if f.spec.kind is FieldKind.PARAM:
-                out[name] = Slot(f, self.params[k].reshape(n_rows, -1), rows,
-                                 self.param_grads[k].reshape(n_rows, -1),
-                                 None if self.bounds is None else
-                                 tuple(end[k].reshape(n_rows, -1)
-                                       for end in self._ends("param_grads", 3)))
+                # the published arrays (parameter, gradient, bounds) as the neurons see them
+                bounds = () if self.bounds is None else self._ends("param_grads", 3)
+                param, grad, *ends = (ens.stored(name, a).reshape(n_rows, -1) for a in (
+                    self.params[k], self.param_grads[k], *(end[k] for end in bounds)))
+                out[name] = Slot(f, param, rows, grad, tuple(ends) if bounds else None)
             elif f.spec.kind is FieldKind.BATCH:
                 batch = self.fields[k].reshape(self.rows, n_rows, -1)
                 if t is not None:
