@@ -34,6 +34,8 @@ from latte.compiler.ir import (
     rewrite,
 )
 
+ROW, COL = "bias.i", "bias.j"   # a bias nest's row and column, named as no loop variable is
+
 
 def fold_bias(kernel: Kernel) -> Kernel:
     """``kernel`` with each bias nest that follows a tiled product folded into it."""
@@ -65,7 +67,7 @@ def _fold(first, second):
     if start is None:
         return None
     # element j of the bias is at bias_off(j); a block's column 0 is column ``start`` of C
-    bias_off = bias_ref.offset().substitute("_j", start)
+    bias_off = bias_ref.offset().substitute(COL, start)
     return rewrite(first, lambda n: replace(n, bias_buf=bias_ref.buffer, bias_off=bias_off)
                    if isinstance(n, Gemm) else None)
 
@@ -97,7 +99,7 @@ def _values(loop: Loop | None) -> range:
 def _bias_nest(s):
     """``(C ref, bias ref, rows, cols)`` of ``for i in range(rows): for j in range(cols):
     C[cols * i + j] += bias[j + b]`` (``C`` rows ``cols`` long, so that ``ldc`` equals
-    ``cols``), its offsets written over ``_i`` and ``_j``; else None."""
+    ``cols``), its offsets written over :data:`ROW` and :data:`COL`; else None."""
     if not (isinstance(s, Loop) and s.start == 0 and len(s.body.stmts) == 1):
         return None
     inner = s.body.stmts[0]
@@ -109,12 +111,12 @@ def _bias_nest(s):
             and isinstance(add.value, Load)):
         return None
     rows, cols = s.stop, inner.stop
-    names = {s.var: Affine.of("_i"), inner.var: Affine.of("_j")}
+    names = {s.var: Affine.of(ROW), inner.var: Affine.of(COL)}
     c_off, b_off = add.target.offset(), add.value.ref.offset()
     if c_off is None or b_off is None:
         return None
     c_off, b_off = (_rename(o, names) for o in (c_off, b_off))
-    if c_off != Affine.build({"_i": cols, "_j": 1}) or b_off.vars != {"_j"} or b_off.coef("_j") != 1:
+    if c_off != Affine.build({ROW: cols, COL: 1}) or b_off.vars != {COL} or b_off.coef(COL) != 1:
         return None
     c_ref = Ref(add.target.buffer, (c_off,), (add.target.buffer.size,))
     b_ref = Ref(add.value.ref.buffer, (b_off,), (add.value.ref.buffer.size,))
@@ -123,7 +125,7 @@ def _bias_nest(s):
 
 def _rename(a: Affine, names: dict[str, Affine]) -> Affine:
     """``a`` over the loop variables in ``names``; other variables stay."""
-    for var, repl in names.items():
+    for var, repl in names.items():   # the new names are no loop variable's: no capture
         a = a.substitute(var, repl)
     return a
 
