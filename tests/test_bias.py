@@ -4,6 +4,8 @@ agree with level 0; nests that do not add a bias to exactly the product's output
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from helpers import assert_scaled_close, set_biases
@@ -169,8 +171,7 @@ def test_nests_other_than_a_bias_over_the_output_stay(nest):
 
 def test_blas_products_and_the_switch_keep_the_nest(monkeypatch):
     product = _split_product(False)
-    blas = Loop("_c", 0, 2, Block((Gemm(**{**vars(product.body.stmts[0]), "panel": ()}),)),
-                LoopKind.PARALLEL)
+    blas = Loop("_c", 0, 2, Block((replace(product.body.stmts[0], panel=()),)), LoopKind.PARALLEL)
     assert len(_fold(blas, _nest())) == 2
     monkeypatch.setenv("LATTE_FOLD_BIAS", "0")
     assert len(_fold(product, _nest())) == 2

@@ -11,6 +11,7 @@ import pytest
 from helpers import WeightedSumLoss
 
 from latte import Net
+from latte.aligned import ALIGN
 from latte.compiler.codegen import kernel_buffers
 from latte.compiler.explain import explain_program
 from latte.compiler.ir import accesses
@@ -60,7 +61,7 @@ def test_winograd_layers_share_their_temporaries_and_equal_level_0(level):
     assert any(np.shares_memory(a, b) for x, y in itertools.combinations(own, 2)
                for a in x for b in y)
     text = explain_program(net.program)
-    alone = sum(-(-a.nbytes // 64) * 64 for a in arrays.values()) / 2**20   # 64-byte aligned
+    alone = sum(-(-a.nbytes // ALIGN) * ALIGN for a in arrays.values()) / 2**20
     assert f"{len(arrays)} buffers, " in text and f"{alone:.1f} MiB, share" in text
     if level == 2:   # each layer a kernel of its own: the weights' transforms share
         u = [a for name, a in arrays.items() if ".forward.winograd" in name and name.endswith(".U")]

@@ -6,6 +6,7 @@ from latte.compiler import HostStep, Segment, TimeSteps, trials
 from latte.compiler.autodiff import derived_backward, format_neuron
 from latte.compiler.fusion import planner_chain
 from latte.compiler.ir import Gemm, Ref, accesses, walk
+from latte.compiler.passes.pack import timed
 from latte.compiler.passes.tiling import FLOAT_BYTES
 from latte.compiler.planner import brainslug, occam
 from latte.compiler.printer import fmt_stmt, format_ir
@@ -155,10 +156,10 @@ def describe(groups: list, budget: int) -> list[str]:
     return out
 
 
-def _timed(g: Gemm) -> list[str]:
+def _trial(g: Gemm) -> list[str]:
     """Where this machine timed ``g``'s product both ways (:mod:`latte.compiler.trials`): the
     ratio that chose BLAS or the micro-kernel on B in place."""
-    if g.trans_a or g.trans_b or (g.panel and g.packed):
+    if g.trans_b or (g.panel and g.packed) or not timed(g):
         return []
     ratio = trials.speedup(trials.key(g))
     return [] if ratio is None else [
@@ -221,7 +222,7 @@ def explain_program(program) -> str:
                            "4x4 tiles of the source (weights transformed once per run)")
             for g in gemms:
                 out.extend("    " + line.strip() for line in fmt_stmt(g))
-                out.extend(_timed(g))
+                out.extend(_trial(g))
         for kernel in plan.kernels.values():
             out.append("")
             out.extend("  " + line for line in format_ir(kernel).splitlines())

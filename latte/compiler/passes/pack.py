@@ -140,7 +140,7 @@ def measure_in_place(kernels: list[Kernel], vector: tuple[int, int], l2: int, sh
     if vector[1] < 32:
         return
     trials.measure([trials.key(g) for kernel in kernels for g in walk(kernel.body)
-                    if isinstance(g, Gemm) and _timed(g)
+                    if isinstance(g, Gemm) and timed(g)
                     and _in_place_tile(g, vector, l2, shared) is not None], vector, l2)
 
 
@@ -160,10 +160,10 @@ def in_place_pays(g: Gemm, vector: tuple[int, int], l2: int) -> bool:
     forced = os.environ.get("LATTE_IN_PLACE")
     if forced in ("0", "1"):
         return forced == "1"
-    return not _timed(g) or trials.beats_blas(trials.key(g), vector, l2)
+    return not timed(g) or trials.beats_blas(trials.key(g), vector, l2)
 
 
-def _timed(g: Gemm) -> bool:
+def timed(g: Gemm) -> bool:
     """Is ``g``'s product (A along its rows) one :func:`in_place_pays` times on the machine?"""
     return (not g.trans_a and g.m * g.n * g.k >= MEASURED_FMAS
             and os.environ.get("LATTE_IN_PLACE") not in ("0", "1"))
