@@ -23,6 +23,7 @@ from latte import Net, Phase
 from latte.compiler import machine
 from latte.compiler.explain import explain_program
 from latte.compiler.ir import Block, Loop, LoopKind, accesses, walk
+from latte.compiler.passes.tiling import MIN_TILE
 from latte.lang import NormalizationEnsemble
 from latte.stdlib import (
     ConvolutionLayer,
@@ -361,6 +362,27 @@ def test_tiles_scale_by_the_product_of_the_strides(monkeypatch):
         assert ("x" in tiles) == kernel.name.endswith("backward")
         for name, (size, _) in tiles.items():
             assert size == rows["conv" if name == "x" else name]
+
+
+def test_a_conv_after_a_pool_gets_tiles_wide_enough_for_its_products():
+    """conv (64 wide) -> ReLU -> max-pool 2 -> conv (32 wide) -> ReLU: the second conv's tile
+    needs 8 rows for MIN_TILE (256) elements per channel, so the first conv's is 16 (4 would
+    do for the first alone, and gave the second conv's products 64 columns); fused equals
+    plain loops."""
+
+    @_net(batch=2)
+    def pooled_pair(net):
+        x = MemoryDataLayer(net, "x", (3, 64, 64))
+        r1 = ReLULayer("relu1", net, ConvolutionLayer("conv1", net, x, 8, 3, pad=1))
+        pool = MaxPoolingLayer("pool", net, r1, 2)
+        r2 = ReLULayer("relu2", net, ConvolutionLayer("conv2", net, pool, 8, 3, pad=1))
+        WeightedSumLoss(net, "loss", r2)
+        return x, None
+
+    net = _compare(pooled_pair)
+    (group,) = net.program.groups
+    rows = {e.name: r for e, r in group.rows.items()}
+    assert rows["conv2"] * 32 == MIN_TILE and rows["conv1"] == rows["pool"] * 2 == 16
 
 
 def test_fused_tiles_compute_what_unfused_code_computes(monkeypatch):

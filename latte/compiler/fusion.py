@@ -218,15 +218,23 @@ def _fit(chain: list, budget: int, max_lag: int, fixed: dict | None = None,
 
 
 def _rows(chain: list, budget: int, max_lag: int, fixed: dict) -> tuple[dict, int, tuple] | None:
+    """Each member's tile rows, the tile's working set and the links: of the legal tilings
+    that fit ``budget``, the one with the lowest tiles in which every member with weights
+    (a product's operand) gets ``MIN_TILE`` elements per channel. A conv after a 2x2 pool
+    gets tiles a quarter as wide as its producer's: counting the first member alone gave
+    its products 64 columns (and its weight gradients 64-deep sums) a tile. None where no
+    tiling is legal."""
     last = chain[-1].ensemble.shape[ROW_DIM]
     pairs = list(zip(chain, chain[1:]))   # (producer, consumer)
-    scale = math.prod(_scale(p, q.ensemble) for q, p in pairs)
-    first = chain[0].ensemble.shape
-    order = heights(last, lambda r: r * scale * math.prod(first[ROW_DIM + 1:]) >= MIN_TILE)
+    per_row = [1]   # each member's rows per row of the last member
+    for prod, plan in reversed(pairs):
+        per_row.insert(0, per_row[0] * _scale(plan, prod.ensemble))
+    weighted = [(k, p.ensemble.shape) for k, p in zip(per_row, chain) if p.ensemble.params]
+    weighted = weighted or [(per_row[0], chain[0].ensemble.shape)]
+    order = heights(last, lambda r: all(r * k * math.prod(shape[ROW_DIM + 1:]) >= MIN_TILE
+                                        for k, shape in weighted))
     for r in order:
-        tiles, sizes = last // r, [r]
-        for prod, plan in reversed(pairs):
-            sizes.insert(0, sizes[0] * _scale(plan, prod.ensemble))
+        tiles, sizes = last // r, [r * k for k in per_row]
         if any(p.ensemble.shape[ROW_DIM] != s * tiles or fixed.get(p.ensemble, s) != s
                for p, s in zip(chain, sizes)):
             continue
