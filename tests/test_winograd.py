@@ -11,7 +11,7 @@ from helpers import WeightedSumLoss
 from latte import Ensemble, Net, Neuron, Param, Phase, add_connections
 from latte.compiler.ir import Gemm, Loop, LoopKind, Ref, walk
 from latte.compiler.passes.tiling import is_batch_loop
-from latte.compiler.passes.winograd import _plane, match
+from latte.compiler.passes.winograd import MIN_TILES, _plane, match
 from latte.stdlib import ConvolutionLayer, MaxPoolingLayer, MemoryDataLayer, ReLULayer
 
 
@@ -117,7 +117,7 @@ def test_a_user_neuron_with_nonzero_padding():
     ({"pad": 2}, 8, 16),                    # a 5x5 window below (kernel 5)
     ({"pad": 1}, 3, 32),                    # too few input channels to pay
     ({"pad": 1, "groups": 2}, 8, 16),       # grouped
-    ({"pad": 1}, 8, 7),                     # 7x7 outputs: too few tiles to pay
+    ({"pad": 1}, 8, 7),                     # 7x7 outputs of one item: too few tiles to pay
 ], ids=["stride", "dilation", "5x5", "3-channels", "groups", "7x7"])
 def test_what_winograd_does_not_take(kwargs, channels, size):
     net = Net(1, opt_level=2)
@@ -172,13 +172,39 @@ def test_input_gradients_as_gathers_equal_level_0(level, shape, batch, threads, 
     _close(got, want)
 
 
+def _widths(net, phase: str) -> set[int]:
+    """The widths (``n``) of the Winograd products of ``phase``."""
+    return {g.n for p in net.program.plans for g in walk(p.kernels[phase].body)
+            if isinstance(g, Gemm) and g.a_buf.key[0] == "derived"}
+
+
+@pytest.mark.parametrize("shape,batch,threads,build,items", [
+    ((16, 8, 8), 8, 2, _conv(8, 1), 4),        # 16 tiles an item: 4 items a product
+    ((8, 7, 7), 6, 2, _conv(8, 1), 6),         # 16 tiles (partial ones): 6, the fewest dividing 6
+    ((16, 8, 8), 4, 2, _conv_relu_conv_pool, 4),   # level 3: fused with ReLUs and a pool
+    ((8, 6, 6), 3, 1, _conv(8, 1), 0),         # 9 tiles: 3 items have 27, too few to pay
+], ids=["8x8", "7x7", "fused", "6x6"])
+@pytest.mark.parametrize("level", [2, 3])
+def test_small_images_share_products_across_items(level, shape, batch, threads, build, items):
+    """An item with too few 2x2 tiles for a product of its own shares one with the next
+    items (forward, the input gradient's gather and the test forward); equals level 0."""
+    net, got = _run(level, build, shape, batch, threads)
+    tiles = -(-shape[1] // 2) * -(-shape[2] // 2)
+    if items:
+        assert _widths(net, "forward") == _widths(net, "backward") == {items * tiles}
+    else:
+        assert batch * tiles < MIN_TILES and not _uses_winograd(net)
+    _, want = _run(0, build, shape, batch, threads)
+    _close(got, want)
+
+
 @pytest.mark.parametrize("kwargs,channels,size,off", [
     ({"pad": 1}, 8, 16, True),              # LATTE_GATHER_GRADS=0
     ({"stride": 2, "pad": 1}, 8, 16, False),
     ({"pad": 0}, 8, 16, False),             # the input is larger than the output
     ({"dilation": 2, "pad": 2}, 8, 16, False),
-    ({"pad": 1}, 8, 7, False),              # 7x7: too few tiles for Winograd
-], ids=["off", "stride", "unpadded", "dilation", "7x7"])
+    ({"pad": 1}, 8, 4, False),              # 4x4: too few tiles, even two items' together
+], ids=["off", "stride", "unpadded", "dilation", "4x4"])
 def test_input_gradients_that_stay_scatters(monkeypatch, kwargs, channels, size, off):
     if off:
         monkeypatch.setenv("LATTE_GATHER_GRADS", "0")

@@ -24,6 +24,13 @@ The rewrite, for ``e`` the 16 positions of a 4x4 transformed tile:
   (zero-init folding turns the four ``+=`` of a tile into stores where they cover the
   output).
 
+An item with too few tiles for a product of its own (a deep layer's 8x8 or 7x7 image, in
+one row tile) shares its products with the next items of the batch: the batch loop runs
+over blocks of ``items`` items, each item's tiles transformed into its own columns of ``V``,
+then the 16 products over all of them, then each item's outputs (``M[e]`` is output
+channels x the block's tiles). The products are as wide as a larger image's, and the
+transformed weights, read once per product, are read once per block.
+
 It is used where it pays (:func:`match`: enough channels and tiles), at opt level 2 and up;
 ``LATTE_WINOGRAD=0`` turns it off (im2col + GEMM, as for every other window).
 
@@ -72,6 +79,7 @@ AT = ((1, 1, 1, 0), (0, 1, -1, -1))                                    # output 
 TILES = 16          # positions of a transformed 4x4 tile
 MIN_CHANNELS = 8    # input channels from which Winograd beats im2col + GEMM (measured here:
 MIN_TILES = 32      # 3 channels lose, 8 win; 7x7 outputs, 16 tiles, lose at 512 channels)
+ITEM_TILES = 64     # tiles a product of several items' tiles takes
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,7 @@ class Conv:
     source: Ref
     guard: Expr | None      # the source load's padding guard
     pad: Expr               # what the source reads where the guard fails
+    items: int = 1          # batch items whose tiles one product takes
 
     @property
     def tiles(self) -> tuple[int, int]:
@@ -112,12 +121,22 @@ def winograd(kernel: Kernel, bufs) -> Kernel:
 
 def match(nest: Loop) -> Conv | None:
     """``nest`` as a :class:`Conv`, if it is one and Winograd pays for it: at least
-    ``MIN_CHANNELS`` input channels (the GEMMs' depth) and ``MIN_TILES`` output tiles per row
-    tile (their width; the weight transform is paid once per run, not per tile)."""
+    ``MIN_CHANNELS`` input channels (the GEMMs' depth) and ``MIN_TILES`` output tiles per
+    product (their width; the weight transform is paid once per run, not per tile). An item
+    with fewer tiles (a small image, one row tile) shares its products with the next items:
+    the fewest that divide the batch and give ``ITEM_TILES`` tiles."""
     conv = _match(nest)
-    if conv is None or conv.c.extent < MIN_CHANNELS or math.prod(conv.tiles) < MIN_TILES:
+    if conv is None or conv.c.extent < MIN_CHANNELS:
         return None
-    return conv
+    tiles = math.prod(conv.tiles)
+    if tiles >= MIN_TILES:
+        return conv
+    if (conv.tile is not None and conv.tile.extent > 1) or nest.start:
+        return None
+    batch = nest.extent
+    items = next((d for d in range(2, batch + 1) if batch % d == 0 and d * tiles >= ITEM_TILES),
+                 batch if batch * tiles >= MIN_TILES else None)
+    return None if items is None else replace(conv, items=items)
 
 
 def _match(nest: Loop) -> Conv | None:
@@ -200,15 +219,16 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
     o, c = conv.o, conv.c
     th, tw = conv.tiles
     n_tiles = th * tw
+    width = conv.items * n_tiles   # the products' width: the tiles of ``items`` items
     label = f"{key[0]}.winograd{key[1]}"
-    per = tuple(_plane(n) for n in (o.extent * c.extent, c.extent * n_tiles, o.extent * n_tiles))
+    per = tuple(_plane(n) for n in (o.extent * c.extent, c.extent * width, o.extent * width))
     u = bufs.derived((*key, "U"), f"{label}.U", (TILES, per[0]), transient=True)
     v = bufs.scratch((*key, "V"), f"{label}.V", (TILES, per[1]), transient=True)
     m = bufs.scratch((*key, "M"), f"{label}.M", (TILES, per[2]), transient=True)
     names = NameGen()   # fresh names: none the nest uses
     names.used |= variables(conv.nest) | {n.var for n in walk(conv.nest) if isinstance(n, Loop)}
-    ty, tx, e = names("_wy"), names("_wx"), names("_we")
-    tile_at = Affine.build({ty: tw, tx: 1})
+    ty, tx, e, wi = names("_wy"), names("_wx"), names("_we"), names("_wi")
+    tile_at = Affine.build({ty: tw, tx: 1, **({wi: n_tiles} if conv.items > 1 else {})})
 
     # U[e, o, c] = (G w G^T)[e]
     w = [[Var(names(f"_ww{a}{b}")) for b in range(3)] for a in range(3)]
@@ -231,22 +251,22 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
     copy = gather(order, at, _source(conv, r, q), loops)
     d = [[Load(Ref(padded, (Affine.of(TID), Affine.of(c.var), Affine.of(ty, 2) + a,
                             Affine.of(tx, 2) + b), padded.shape)) for b in range(4)] for a in range(4)]
-    at = tile_at + Affine.of(c.var, n_tiles)
+    at = tile_at + Affine.of(c.var, width)
     body = [Assign(Ref(v, (Affine.of(TID), Affine((), 4 * i + j), at), v.shape),
                    _combine(BT[i], BT[j], d)) for i in range(4) for j in range(4)]
     inputs = _loops([c, _loop(ty, th), _loop(tx, tw)], body)
 
     # M[e] = U[e] @ V[e]
-    gemm = Gemm(o.extent, n_tiles, c.extent,
+    gemm = Gemm(o.extent, width, c.extent,
                 u, Affine.of(e, per[0]), c.extent, False,
-                v, Affine.build({TID: TILES * per[1], e: per[1]}), n_tiles, False,
-                m, Affine.build({TID: TILES * per[2], e: per[2]}), n_tiles, beta=0.0)
+                v, Affine.build({TID: TILES * per[1], e: per[1]}), width, False,
+                m, Affine.build({TID: TILES * per[2], e: per[2]}), width, beta=0.0)
     products = Loop(e, 0, TILES, Block((gemm,)))
 
     # out[.., o, 2ty + i, 2tx + j] += (A^T M A)[i, j]
     mm = [[Var(names(f"_wm{a}{b}")) for b in range(4)] for a in range(4)]
     body = [Assign(mm[a][b], Load(Ref(m, (Affine.of(TID), Affine((), 4 * a + b),
-                                          tile_at + Affine.of(o.var, n_tiles)), m.shape)))
+                                          tile_at + Affine.of(o.var, width)), m.shape)))
             for a in range(4) for b in range(4)]
     for i in range(2):
         for j in range(2):
@@ -257,10 +277,21 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
             body.append(store if partial is None else If(partial, Block((store,))))
     outputs = _loops([o, _loop(ty, th), _loop(tx, tw)], body)
 
-    inner = Block((copy, inputs, products, outputs))
-    if conv.tile is not None:
-        inner = Block((replace(conv.tile, body=inner),))
-    return [weights, replace(conv.nest, body=inner)]
+    if conv.items == 1:
+        inner = Block((copy, inputs, products, outputs))
+        if conv.tile is not None:
+            inner = Block((replace(conv.tile, body=inner),))
+        return [weights, replace(conv.nest, body=inner)]
+    # the batch loop over blocks of items: each item's tiles in, one product, each one's out
+    block = names("_wb")
+    item = {conv.nest.var: Affine.build({block: conv.items, wi: 1}),
+            **({conv.tile.var: Affine()} if conv.tile is not None else {})}   # one row tile
+
+    def per_item(*stmts) -> Loop:
+        return Loop(wi, 0, conv.items, substitute(Block(stmts), item))
+
+    inner = Block((per_item(copy, inputs), products, per_item(outputs)))
+    return [weights, replace(conv.nest, var=block, stop=conv.nest.extent // conv.items, body=inner)]
 
 
 def _plane(size: int) -> int:
