@@ -307,6 +307,26 @@ def _add_gathered(rng, net, prefix: str, inputs: list, ens: list, readers: dict)
     ens.append(top)
 
 
+def _add_small_windows(rng, net, prefix: str, case: Case, ens: list, readers: dict) -> None:
+    """In a sixth of the cases: an input of 8-11 channels at 5-9 rows and columns (too few
+    2x2 tiles for a Winograd product of its own), a same-size 3x3 convolution into 8-10
+    channels and, half of the time, a ReLU and another one: at level 2+, where the batch's
+    items have enough tiles together, their products are shared across items. Drawn from a
+    stream of its own: the case's other ensembles stay as they were."""
+    if rng.random() >= 1 / 6:
+        return
+    shape = (int(rng.integers(8, 12)), int(rng.integers(5, 10)), int(rng.integers(5, 10)))
+    src = MemoryDataLayer(net, f"{prefix}small", shape)
+    case.inputs.append(src)
+    top = ConvolutionLayer(f"{prefix}s3x3", net, src, int(rng.integers(8, 11)), 3, pad=1,
+                           bias=bool(rng.random() < 0.5))
+    if rng.random() < 0.5:
+        top = ConvolutionLayer(f"{prefix}snext", net, ReLULayer(f"{prefix}srelu", net, top),
+                               int(rng.integers(8, 11)), 3, pad=1)
+    readers[src.name], readers[top.name] = 1, 0
+    ens.append(top)
+
+
 def _add_embedding(rng, net, prefix: str, case: Case, ens: list, readers: dict) -> None:
     """In a fifth of the cases: a table lookup (vocabularies across the lookup's blocks of
     16 rows) over an input of ids, fed as class indices are. Drawn from a stream of its own:
@@ -371,6 +391,7 @@ def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.
     _add_layers(np.random.default_rng([seed, 5]), net, p, ens, readers, sealed)
     _add_gathered(np.random.default_rng([seed, 13]), net, p, case.inputs, ens, readers)
     _add_embedding(np.random.default_rng([seed, 17]), net, p, case, ens, readers)
+    _add_small_windows(np.random.default_rng([seed, 19]), net, p, case, ens, readers)
     sinks = [e for e in ens if readers[e.name] == 0 and e.name not in sealed
              and not isinstance(e, DataEnsemble)]
     for j, e in enumerate(sinks):
