@@ -11,7 +11,7 @@ from helpers import WeightedSumLoss
 from latte import Ensemble, Net, Neuron, Param, Phase, add_connections
 from latte.compiler.ir import Gemm, Loop, LoopKind, Ref, walk
 from latte.compiler.passes.tiling import is_batch_loop
-from latte.compiler.passes.winograd import MIN_TILES, _plane, match
+from latte.compiler.passes.winograd import ITEM_TILES, MIN_TILES, _plane, match
 from latte.stdlib import ConvolutionLayer, MaxPoolingLayer, MemoryDataLayer, ReLULayer
 
 
@@ -194,6 +194,31 @@ def test_small_images_share_products_across_items(level, shape, batch, threads, 
         assert _widths(net, "forward") == _widths(net, "backward") == {items * tiles}
     else:
         assert batch * tiles < MIN_TILES and not _uses_winograd(net)
+    _, want = _run(0, build, shape, batch, threads)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("shape,batch,threads,build,depth", [
+    ((16, 8, 8), 8, 2, _conv(8, 1), 64),            # 16 tiles an item: sums over 4 items
+    ((9, 13, 17), 6, 2, _conv(12, 1), 126),         # 63 partial tiles an item: 2 items
+    ((16, 48, 64), 2, 2, _conv_relu_conv_pool, None),   # row tiles (level 3: a skewed group)
+], ids=["8x8", "odd", "fused"])
+@pytest.mark.parametrize("level", [2, 3])
+def test_weight_gradients_through_winograd(level, shape, batch, threads, build, depth):
+    """F(3x3, 2x2): each thread sums the products of transformed output-gradient and source
+    tiles over its items (and row tiles), and the weight gradient is their sum over the
+    threads transformed back once; equals level 0."""
+    from latte.compiler.explain import explain_program
+
+    net, got = _run(level, build, shape, batch, threads)
+    depths = {g.k for p in net.program.plans for g in walk(p.kernels["backward"].body)
+              if isinstance(g, Gemm) and ".wgrad" in g.c_buf.name}
+    if depth is None:   # a product per row tile of at least ITEM_TILES tiles
+        assert depths and min(depths) >= ITEM_TILES
+        assert level == 2 or [g.name for g in net.program.groups] == ["conv1+relu1+conv2+relu2+pool"]
+    else:
+        assert depths == {depth}
+    assert "F(3x3, 2x2) weight gradient" in explain_program(net.program)
     _, want = _run(0, build, shape, batch, threads)
     _close(got, want)
 

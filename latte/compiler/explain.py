@@ -220,6 +220,10 @@ def explain_program(program) -> str:
             if any(g.a_buf.key[0] == "derived" for g in gemms):
                 out.append("    Winograd F(2x2, 3x3): the 3x3 window as 16 GEMMs over transformed "
                            "4x4 tiles of the source (weights transformed once per run)")
+            if any(".wgrad" in g.c_buf.name for g in gemms):
+                out.append("    Winograd F(3x3, 2x2) weight gradient: 16 GEMMs over transformed "
+                           "output-gradient and source tiles, summed over the batch, transformed "
+                           "back once")
             for g in gemms:
                 out.extend("    " + line.strip() for line in fmt_stmt(g))
                 out.extend(_trial(g))

@@ -31,6 +31,14 @@ then the 16 products over all of them, then each item's outputs (``M[e]`` is out
 channels x the block's tiles). The products are as wide as a larger image's, and the
 transformed weights, read once per product, are read once per block.
 
+A convolution's weight gradient, ``w(o, c, ky, kx) += src[.., c, y + ky + a, x + kx + b] *
+g[.., o, y, x]``, is F(3x3, 2x2) the same way (:func:`match_weight_grad`): per item (and row
+tile) the source tiles transformed as above, each 2x2 tile of the output gradient by ``G2``,
+and ``M[e] += D[e] @ V[e]^T`` (output x input channels over the tiles, in each thread's own
+``M``); after the batch loop the threads' ``M`` are summed in thread order and transformed
+back by ``A3`` into the 3x3 weights: 16 products over 4 pixels' worth of tiles instead of 9
+over the pixels, and ``M`` is transformed once per pass, not per item.
+
 It is used where it pays (:func:`match`: enough channels and tiles), at opt level 2 and up;
 ``LATTE_WINOGRAD=0`` turns it off (im2col + GEMM, as for every other window).
 
@@ -76,6 +84,8 @@ from latte.compiler.passes.tiling import ensemble_chain, is_batch_loop
 BT = ((1, 0, -1, 0), (0, 1, 1, 0), (0, -1, 1, 0), (0, 1, 0, -1))       # input transform B^T
 G = ((1, 0, 0), (0.5, 0.5, 0.5), (0.5, -0.5, 0.5), (0, 0, 1))          # weight transform
 AT = ((1, 1, 1, 0), (0, 1, -1, -1))                                    # output transform A^T
+G2 = ((1, 0), (0.5, 0.5), (0.5, -0.5), (0, -1))      # F(3x3, 2x2), with B^T: a 2x2 gradient tile
+AT3 = ((1, 1, 1, 0), (0, 1, -1, 0), (0, 1, 1, 1))    # and its output transform
 TILES = 16          # positions of a transformed 4x4 tile
 MIN_CHANNELS = 8    # input channels from which Winograd beats im2col + GEMM (measured here:
 MIN_TILES = 32      # 3 channels lose, 8 win; 7x7 outputs, 16 tiles, lose at 512 channels)
@@ -115,7 +125,10 @@ def winograd(kernel: Kernel, bufs) -> Kernel:
     stmts = []
     for k, s in enumerate(kernel.body.stmts):
         conv = match(s) if is_batch_loop(s) else None
-        stmts += [s] if conv is None else _rewrite(conv, bufs, (kernel.name, k))
+        grads = match_weight_grad(s) if is_batch_loop(s) and conv is None else None
+        stmts += ([s] if conv is None and grads is None
+                  else _rewrite(conv, bufs, (kernel.name, k)) if conv is not None
+                  else _rewrite_weight_grad(grads, bufs, (kernel.name, k)))
     return replace(kernel, body=Block(tuple(stmts)))
 
 
@@ -128,18 +141,38 @@ def match(nest: Loop) -> Conv | None:
     conv = _match(nest)
     if conv is None or conv.c.extent < MIN_CHANNELS:
         return None
-    tiles = math.prod(conv.tiles)
-    if tiles >= MIN_TILES:
-        return conv
-    if (conv.tile is not None and conv.tile.extent > 1) or nest.start:
+    return conv if math.prod(conv.tiles) >= MIN_TILES else _shared(conv, MIN_TILES)
+
+
+def match_weight_grad(nest: Loop) -> Conv | None:
+    """``nest`` as the weight gradient of a 3x3 stride-1 window, ``w(o, c, ky, kx) +=
+    src[.., c, y + ky + a, x + kx + b] * g[.., o, y, x]`` (``target``: the weight gradient,
+    ``weight``: the output gradient's load), where F(3x3, 2x2) pays: ``MIN_CHANNELS`` input
+    channels and ``ITEM_TILES`` tiles a product (the sums' depth) in a row tile, or in the
+    one row tile of enough items."""
+    conv = _match_weight_grad(nest)
+    if conv is None or conv.c.extent < MIN_CHANNELS:
         return None
-    batch = nest.extent
+    return _shared(conv, ITEM_TILES)
+
+
+def _shared(conv: Conv, least: int) -> Conv | None:
+    """``conv`` with ``items``: one if a row tile has ``ITEM_TILES`` tiles, else the fewest
+    items that divide the batch and have as many together, else the whole batch if it has
+    ``least``; None where a nest of several row tiles, or the batch, has too few tiles."""
+    tiles, batch = math.prod(conv.tiles), conv.nest.extent
+    if tiles >= ITEM_TILES:
+        return conv
+    if (conv.tile is not None and conv.tile.extent > 1) or conv.nest.start:
+        return None
     items = next((d for d in range(2, batch + 1) if batch % d == 0 and d * tiles >= ITEM_TILES),
-                 batch if batch * tiles >= MIN_TILES else None)
+                 batch if batch * tiles >= least else None)
     return None if items is None else replace(conv, items=items)
 
 
-def _match(nest: Loop) -> Conv | None:
+def _window_nest(nest: Loop):
+    """``(row tile, o, y, x, window loops, leaf)`` of a nest ``batch -> [row tile] -> o -> y ->
+    x -> 3 window loops -> leaf += a * b``, or None."""
     chain = ensemble_chain(nest)
     tiles = [lp for lp in chain[1:] if lp.kind is LoopKind.TILE_OUTER]
     dims = [lp for lp in chain[1:] if lp.kind is not LoopKind.TILE_OUTER]
@@ -156,24 +189,54 @@ def _match(nest: Loop) -> Conv | None:
     if not (isinstance(aug, AugAssign) and aug.op == "+" and isinstance(aug.target, Ref)
             and isinstance(aug.value, BinOp) and aug.value.op == "*"):
         return None
-    o, y, x = dims
-    tile = tiles[0] if tiles else None
+    return (tiles[0] if tiles else None, *dims, window, aug)
+
+
+def _source_load(s_expr: Expr, o: Loop, y: Loop, x: Loop, tile: Loop | None, window: list):
+    """``(guard, pad, load, (c loop, ky, kx))`` if ``s_expr`` reads the source's window."""
+    guard, pad, load = None, Const(0.0), s_expr
+    if isinstance(s_expr, Select):
+        guard, pad, load = s_expr.cond, s_expr.if_false, s_expr.if_true
+    if not isinstance(load, Load) or variables(pad) or (
+            guard is not None and not variables(guard) <= variables(load.ref)):
+        return None
+    roles = _roles(load.ref, o.var, y.var, x.var, tile, window)
+    return None if roles is None else (guard, pad, load, roles)
+
+
+def _match(nest: Loop) -> Conv | None:
+    found = _window_nest(nest)
+    if found is None:
+        return None
+    tile, o, y, x, window, aug = found
+    windows = {lp.var for lp in window}
     for w_expr, s_expr in ((aug.value.lhs, aug.value.rhs), (aug.value.rhs, aug.value.lhs)):
-        guard, pad, load = None, Const(0.0), s_expr
-        if isinstance(s_expr, Select):
-            guard, pad, load = s_expr.cond, s_expr.if_false, s_expr.if_true
-        if not (isinstance(w_expr, Load) and isinstance(load, Load)):
+        src = _source_load(s_expr, o, y, x, tile, window)
+        if src is None or not isinstance(w_expr, Load):
             continue
-        roles = _roles(load.ref, o.var, y.var, x.var, tile, window)
-        if roles is None:
-            continue
-        c, ky, kx = roles
-        windows = {lp.var for lp in window}
+        guard, pad, load, (c, ky, kx) = src
         if (_index_vars(w_expr.ref) <= windows | {o.var}
                 and _is_output(aug.target, nest, o, y, x, tile, windows)
-                and aug.target.buffer not in (load.ref.buffer, w_expr.ref.buffer)
-                and not variables(pad) and (guard is None or variables(guard) <= variables(load.ref))):
+                and aug.target.buffer not in (load.ref.buffer, w_expr.ref.buffer)):
             return Conv(nest, tile, o, y, x, c, ky, kx, aug.target, w_expr.ref, load.ref, guard, pad)
+    return None
+
+
+def _match_weight_grad(nest: Loop) -> Conv | None:
+    found = _window_nest(nest)
+    if found is None:
+        return None
+    tile, o, y, x, window, aug = found
+    windows = {lp.var for lp in window}
+    for g_expr, s_expr in ((aug.value.lhs, aug.value.rhs), (aug.value.rhs, aug.value.lhs)):
+        src = _source_load(s_expr, o, y, x, tile, window)
+        if src is None or not isinstance(g_expr, Load):
+            continue
+        guard, pad, load, (c, ky, kx) = src
+        if (_index_vars(aug.target) <= {o.var, c.var, ky, kx}
+                and _is_output(g_expr.ref, nest, o, y, x, tile, windows)
+                and aug.target.buffer not in (load.ref.buffer, g_expr.ref.buffer)):
+            return Conv(nest, tile, o, y, x, c, ky, kx, aug.target, g_expr.ref, load.ref, guard, pad)
     return None
 
 
@@ -218,17 +281,15 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
     """The weight transform, then the batch nest computing ``conv`` through the transforms."""
     o, c = conv.o, conv.c
     th, tw = conv.tiles
-    n_tiles = th * tw
-    width = conv.items * n_tiles   # the products' width: the tiles of ``items`` items
+    width = conv.items * th * tw   # the products' width: the tiles of ``items`` items
     label = f"{key[0]}.winograd{key[1]}"
     per = tuple(_plane(n) for n in (o.extent * c.extent, c.extent * width, o.extent * width))
     u = bufs.derived((*key, "U"), f"{label}.U", (TILES, per[0]), transient=True)
     v = bufs.scratch((*key, "V"), f"{label}.V", (TILES, per[1]), transient=True)
     m = bufs.scratch((*key, "M"), f"{label}.M", (TILES, per[2]), transient=True)
-    names = NameGen()   # fresh names: none the nest uses
-    names.used |= variables(conv.nest) | {n.var for n in walk(conv.nest) if isinstance(n, Loop)}
+    names = _names(conv)
     ty, tx, e, wi = names("_wy"), names("_wx"), names("_we"), names("_wi")
-    tile_at = Affine.build({ty: tw, tx: 1, **({wi: n_tiles} if conv.items > 1 else {})})
+    tile_at = Affine.build({ty: tw, tx: 1, **({wi: th * tw} if conv.items > 1 else {})})
 
     # U[e, o, c] = (G w G^T)[e]
     w = [[Var(names(f"_ww{a}{b}")) for b in range(3)] for a in range(3)]
@@ -239,22 +300,7 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
     body += [Assign(Ref(u, (Affine((), 4 * i + j), at), u.shape), _combine(G[i], G[j], w))
              for i in range(4) for j in range(4)]
     weights = _loops([o, c], body)
-
-    # the source rows the tile reads, padded: P[c, r, q] (guards only here, split off the
-    # interior), then V[e, c, p] = (B^T d B)[e] over each 4x4 patch of P
-    rows, cols = 2 * th + 2, 2 * tw + 2
-    padded = bufs.scratch((*key, "P"), f"{label}.P", (c.extent, rows, cols), transient=True)
-    r, q = names("_wr"), names("_wq")
-    order = [replace(c, kind=LoopKind.SERIAL), _loop(r, rows), _loop(q, cols)]
-    at = Ref(padded, (Affine.of(TID), Affine.of(c.var), Affine.of(r), Affine.of(q)), padded.shape)
-    loops = [conv.nest, *([conv.tile] if conv.tile else []), *order]
-    copy = gather(order, at, _source(conv, r, q), loops)
-    d = [[Load(Ref(padded, (Affine.of(TID), Affine.of(c.var), Affine.of(ty, 2) + a,
-                            Affine.of(tx, 2) + b), padded.shape)) for b in range(4)] for a in range(4)]
-    at = tile_at + Affine.of(c.var, width)
-    body = [Assign(Ref(v, (Affine.of(TID), Affine((), 4 * i + j), at), v.shape),
-                   _combine(BT[i], BT[j], d)) for i in range(4) for j in range(4)]
-    inputs = _loops([c, _loop(ty, th), _loop(tx, tw)], body)
+    copy, inputs = _source_tiles(conv, bufs, key, label, names, v, width, tile_at, ty, tx)
 
     # M[e] = U[e] @ V[e]
     gemm = Gemm(o.extent, width, c.extent,
@@ -282,16 +328,117 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
         if conv.tile is not None:
             inner = Block((replace(conv.tile, body=inner),))
         return [weights, replace(conv.nest, body=inner)]
-    # the batch loop over blocks of items: each item's tiles in, one product, each one's out
+    return [weights, _blocks(conv, names, wi, (copy, inputs), products, (outputs,))]
+
+
+def _rewrite_weight_grad(conv: Conv, bufs, key: tuple) -> list:
+    """F(3x3, 2x2): each thread's ``M`` zeroed; the batch nest over blocks of items, each
+    item's source tiles transformed as the forward's (``V[e, c, p]``) and its 2x2 output
+    gradient tiles by ``G2`` (``D[e, o, p]``), then ``M[e] += D[e] @ V[e]^T`` (output x
+    input channels, summed over the block's tiles); after it, the weight gradient ``+= (A3^T
+    (M of every thread, summed in thread order) A3)[ky, kx]``."""
+    o, c = conv.o, conv.c
+    th, tw = conv.tiles
+    width = conv.items * th * tw   # the products' depth
+    label = f"{key[0]}.wgrad{key[1]}"
+    per = tuple(_plane(n) for n in (o.extent * width, c.extent * width, o.extent * c.extent))
+    grads = bufs.scratch((*key, "D"), f"{label}.D", (TILES, per[0]), transient=True)
+    v = bufs.scratch((*key, "V"), f"{label}.V", (TILES, per[1]), transient=True)
+    m = bufs.scratch((*key, "M"), f"{label}.M", (TILES, per[2]), transient=True)
+    names = _names(conv)
+    ty, tx, e, wi, t, z = (names(n) for n in ("_wy", "_wx", "_we", "_wi", "_wt", "_wz"))
+    tile_at = Affine.build({ty: tw, tx: 1, **({wi: th * tw} if conv.items > 1 else {})})
+
+    zero = nest([_loop(t, bufs.threads), _loop(e, TILES), _loop(z, per[2])],
+                Assign(Ref(m, (Affine.of(t), Affine.of(e), Affine.of(z)), m.shape), Const(0.0)))
+    copy, inputs = _source_tiles(conv, bufs, key, label, names, v, width, tile_at, ty, tx)
+
+    # D[e, o, p] = (G2 g G2^T)[e] for the output gradient's 2x2 tile g at p (0 past its edge)
+    g = [[_tile_value(conv, ty, tx, a, b) for b in range(2)] for a in range(2)]
+    at = tile_at + Affine.of(o.var, width)
+    body = [Assign(Ref(grads, (Affine.of(TID), Affine((), 4 * i + j), at), grads.shape),
+                   _combine(G2[i], G2[j], g)) for i in range(4) for j in range(4)]
+    transformed = _loops([o, _loop(ty, th), _loop(tx, tw)], body)
+
+    # M[e] += D[e] @ V[e]^T
+    gemm = Gemm(o.extent, c.extent, width,
+                grads, Affine.build({TID: TILES * per[0], e: per[0]}), width, False,
+                v, Affine.build({TID: TILES * per[1], e: per[1]}), width, True,
+                m, Affine.build({TID: TILES * per[2], e: per[2]}), c.extent, beta=1.0)
+    products = Loop(e, 0, TILES, Block((gemm,)))
+
+    # w[o, c, ky, kx] += (A3^T M A3)[ky, kx], M summed over the threads
+    mm = [[Var(names(f"_wm{a}{b}")) for b in range(4)] for a in range(4)]
+    at = Affine.build({o.var: c.extent, c.var: 1})
+    body = [Assign(mm[a][b], _sum([Load(Ref(m, (Affine((), k), Affine((), 4 * a + b), at), m.shape))
+                                   for k in range(bufs.threads)]))
+            for a in range(4) for b in range(4)]
+    body += [AugAssign(substitute(conv.target, {conv.ky: Affine((), i), conv.kx: Affine((), j)}),
+                       "+", _combine(AT3[i], AT3[j], mm)) for i in range(3) for j in range(3)]
+    back = _loops([o, c], body)
+    if conv.items > 1:
+        return [zero, _blocks(conv, names, wi, (copy, inputs, transformed), products, ()), back]
+    inner = Block((copy, inputs, transformed, products))
+    if conv.tile is not None:   # M sums the row tiles' products too
+        inner = Block((replace(conv.tile, body=inner),))
+    return [zero, replace(conv.nest, body=inner), back]
+
+
+def _names(conv: Conv) -> NameGen:
+    """Fresh names: none the nest uses."""
+    names = NameGen()
+    names.used |= variables(conv.nest) | {n.var for n in walk(conv.nest) if isinstance(n, Loop)}
+    return names
+
+
+def _source_tiles(conv: Conv, bufs, key: tuple, label: str, names: NameGen, v, width: int,
+                  tile_at: Affine, ty: str, tx: str) -> tuple:
+    """The source rows the tile reads, padded: ``P[c, r, q]`` (guards only here, split off
+    the interior), then ``V[e, c, p] = (B^T d B)[e]`` over each 4x4 patch ``d`` of ``P``."""
+    c = conv.c
+    th, tw = conv.tiles
+    rows, cols = 2 * th + 2, 2 * tw + 2
+    padded = bufs.scratch((*key, "P"), f"{label}.P", (c.extent, rows, cols), transient=True)
+    r, q = names("_wr"), names("_wq")
+    order = [replace(c, kind=LoopKind.SERIAL), _loop(r, rows), _loop(q, cols)]
+    at = Ref(padded, (Affine.of(TID), Affine.of(c.var), Affine.of(r), Affine.of(q)), padded.shape)
+    loops = [conv.nest, *([conv.tile] if conv.tile else []), *order]
+    copy = gather(order, at, _source(conv, r, q), loops)
+    d = [[Load(Ref(padded, (Affine.of(TID), Affine.of(c.var), Affine.of(ty, 2) + a,
+                            Affine.of(tx, 2) + b), padded.shape)) for b in range(4)] for a in range(4)]
+    at = tile_at + Affine.of(c.var, width)
+    body = [Assign(Ref(v, (Affine.of(TID), Affine((), 4 * i + j), at), v.shape),
+                   _combine(BT[i], BT[j], d)) for i in range(4) for j in range(4)]
+    return copy, _loops([c, _loop(ty, th), _loop(tx, tw)], body)
+
+
+def _blocks(conv: Conv, names: NameGen, wi: str, before: tuple, products, after: tuple) -> Loop:
+    """The batch loop over blocks of ``conv.items`` items (item ``items * block + wi``): each
+    item's ``before``, the block's ``products``, each item's ``after``."""
     block = names("_wb")
     item = {conv.nest.var: Affine.build({block: conv.items, wi: 1}),
             **({conv.tile.var: Affine()} if conv.tile is not None else {})}   # one row tile
 
-    def per_item(*stmts) -> Loop:
+    def per_item(stmts: tuple) -> Loop:
         return Loop(wi, 0, conv.items, substitute(Block(stmts), item))
 
-    inner = Block((per_item(copy, inputs), products, per_item(outputs)))
-    return [weights, replace(conv.nest, var=block, stop=conv.nest.extent // conv.items, body=inner)]
+    inner = (per_item(before), products, *((per_item(after),) if after else ()))
+    return replace(conv.nest, var=block, stop=conv.nest.extent // conv.items, body=Block(inner))
+
+
+def _tile_value(conv: Conv, ty: str, tx: str, a: int, b: int) -> Expr:
+    """The output gradient at row ``2ty + a``, column ``2tx + b``: 0 past a partial tile's
+    edge."""
+    ref = substitute(conv.weight, {conv.y.var: Affine.of(ty, 2) + a, conv.x.var: Affine.of(tx, 2) + b})
+    partial = _partial([(ty, a, conv.y.extent), (tx, b, conv.x.extent)])
+    return Load(ref) if partial is None else Select(partial, Load(ref), Const(0.0))
+
+
+def _sum(terms: list) -> Expr:
+    out = terms[0]
+    for term in terms[1:]:
+        out = BinOp("+", out, term)
+    return out
 
 
 def _plane(size: int) -> int:
