@@ -11,7 +11,8 @@ Each net is compiled with ``--var`` set to one of ``--values`` (the compiler rea
 variables as it compiles), then the two run in turn, ``--repeat`` times each (a batch-1
 test forward, or a batch-16 forward and backward; the MLP at its batch of 128), and the
 medians and their ratio are printed. ``lstm`` and ``gru`` are the nets of
-``benchmarks/lstm.py``, in training a forward and a backward through their 50 steps.
+``benchmarks/lstm.py``, in training a forward and a backward through their 50 steps;
+``vgg_mini`` is ``benchmarks/vgg_mini.py``'s (batch 64, training: forward and backward).
 ``--avx2`` compiles for an AVX2 host on this one: LLVM's target without AVX-512, tiles for
 16 registers of 256 bits, OpenBLAS's Haswell kernels.
 """
@@ -56,10 +57,13 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--avx2", action="store_true")
     args = ap.parse_args()
+    if args.net == "vgg_mini" and args.mode != "training":
+        ap.error("vgg_mini runs in --mode training (its data layer has no test set)")
     if args.avx2:
         as_avx2()
     from lstm import latte_net as latte_rnn  # noqa: PLC0415
     from mlp import BATCH, latte_mlp  # noqa: PLC0415
+    from vgg_mini import latte_vgg_mini  # noqa: PLC0415
     from zoo import MODES, latte_net  # noqa: PLC0415
 
     from latte import Phase  # noqa: PLC0415
@@ -69,6 +73,7 @@ def main() -> None:
     for value in args.values:
         os.environ[args.var] = value
         net = (latte_mlp(BATCH, args.threads) if args.net == "mlp"
+               else latte_vgg_mini(args.threads) if args.net == "vgg_mini"
                else latte_rnn(args.net, args.threads) if args.net in ("lstm", "gru")
                else latte_net(args.net, 224, MODES[args.mode], training, args.threads)[0])
         runs[value] = ((lambda n=net: (n.forward(), n.backward())) if training

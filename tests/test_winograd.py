@@ -198,13 +198,22 @@ def test_small_images_share_products_across_items(level, shape, batch, threads, 
     _close(got, want)
 
 
-@pytest.mark.parametrize("shape,batch,threads,build,depth", [
-    ((16, 8, 8), 8, 2, _conv(8, 1), 64),            # 16 tiles an item: sums over 4 items
-    ((9, 13, 17), 6, 2, _conv(12, 1), 126),         # 63 partial tiles an item: 2 items
-    ((16, 48, 64), 2, 2, _conv_relu_conv_pool, None),   # row tiles (level 3: a skewed group)
-], ids=["8x8", "odd", "fused"])
+def _conv_relu_conv(net, x):
+    conv1 = ReLULayer("relu1", net, ConvolutionLayer("conv1", net, x, 8, 3, pad=1))
+    return ConvolutionLayer("conv2", net, conv1, 8, 3, pad=1)
+
+
+@pytest.mark.parametrize("shape,batch,threads,build,depth,group", [
+    ((16, 8, 8), 8, 2, _conv(8, 1), 64, None),      # 16 tiles an item: sums over 4 items
+    ((9, 13, 17), 6, 2, _conv(12, 1), 126, None),   # 63 partial tiles an item: 2 items
+    # row tiles; at level 3 a skewed group
+    ((16, 48, 64), 2, 2, _conv_relu_conv_pool, None, "conv1+relu1+conv2+relu2+pool"),
+    # 32 tiles an item, 2 items a block; at level 3 a skewed group, the blocks' sums after
+    # its tiles, their transform back after the sums
+    ((9, 2, 64), 4, 2, _conv_relu_conv, 64, "conv1+relu1+conv2"),
+], ids=["8x8", "odd", "fused", "fused-blocks"])
 @pytest.mark.parametrize("level", [2, 3])
-def test_weight_gradients_through_winograd(level, shape, batch, threads, build, depth):
+def test_weight_gradients_through_winograd(level, shape, batch, threads, build, depth, group):
     """F(3x3, 2x2): each thread sums the products of transformed output-gradient and source
     tiles over its items (and row tiles), and the weight gradient is their sum over the
     threads transformed back once; equals level 0."""
@@ -215,9 +224,9 @@ def test_weight_gradients_through_winograd(level, shape, batch, threads, build, 
               if isinstance(g, Gemm) and ".wgrad" in g.c_buf.name}
     if depth is None:   # a product per row tile of at least ITEM_TILES tiles
         assert depths and min(depths) >= ITEM_TILES
-        assert level == 2 or [g.name for g in net.program.groups] == ["conv1+relu1+conv2+relu2+pool"]
     else:
         assert depths == {depth}
+    assert level == 2 or [g.name for g in net.program.groups] == ([group] if group else [])
     assert "F(3x3, 2x2) weight gradient" in explain_program(net.program)
     _, want = _run(0, build, shape, batch, threads)
     _close(got, want)

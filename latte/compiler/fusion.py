@@ -394,13 +394,14 @@ def _untiled(stmts: list) -> tuple[list, list] | None:
     statement runs before when that moves it past no tiled statement it conflicts with (it
     touches nothing they write and writes nothing they read), else after when that is legal
     (a 1x1 conv's backward GEMMs need the whole input gradient the next conv's tiles write);
-    None when neither is."""
+    None when neither is. Moving before passes the statements already sent after too (a
+    Winograd weight gradient's sums run after the tiles, so its transform back must)."""
     tiled = [i for i, s in enumerate(stmts) if tile_loop(s) is not None]
     before, after = [], []
     for i, s in enumerate(stmts):
         if tile_loop(s) is not None:
             continue
-        if _commutes(s, [stmts[j] for j in tiled if j < i]):
+        if _commutes(s, [stmts[j] for j in tiled if j < i] + after):
             before.append(s)
         elif _commutes(s, [stmts[j] for j in tiled if j > i]):
             after.append(s)
