@@ -10,7 +10,7 @@ def pytest_addoption(parser):
     """``--fuzz N`` runs N random differential cases (tests/test_fuzz.py); ``--fuzz-seed``
     reruns the listed cases only."""
     parser.addoption("--fuzz", type=int, default=None,
-                     help="number of random differential cases (default $LATTE_FUZZ or 300)")
+                     help="number of random differential cases (default $LATTE_FUZZ or 200)")
     parser.addoption("--fuzz-seed", default=None, help="comma-separated case seeds to run")
 
 

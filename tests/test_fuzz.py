@@ -1,7 +1,7 @@
 """Random differential testing (latte.fuzz): random neurons and nets, every optimized level
 against level 0 and level 0 against the reference interpreter.
 
-``pytest tests/test_fuzz.py --fuzz N`` (or ``LATTE_FUZZ=N``) runs cases 0..N-1 (default 300);
+``pytest tests/test_fuzz.py --fuzz N`` (or ``LATTE_FUZZ=N``) runs cases 0..N-1 (default 200);
 ``--fuzz-seed S[,S...]`` reruns the listed cases. Each case compiles its own two nets (level 0
 and its optimized level: nets of many cases compile no faster per case, measured), in worker
 processes, one per core (compiling is nearly all of the time).
@@ -113,7 +113,7 @@ def _seeds(config) -> list[int]:
     if config.getoption("--fuzz-seed"):
         return [int(s) for s in config.getoption("--fuzz-seed").split(",")]
     n = config.getoption("--fuzz")
-    n = n if n is not None else int(os.environ.get("LATTE_FUZZ", "300"))
+    n = n if n is not None else int(os.environ.get("LATTE_FUZZ", "200"))
     return sorted(set(range(n)) | set(FIXED) | set(ROUNDING) | set(PRECISION) | set(OPEN))
 
 

@@ -150,7 +150,7 @@ def match_weight_grad(nest: Loop) -> Conv | None:
     ``weight``: the output gradient's load), where F(3x3, 2x2) pays: ``MIN_CHANNELS`` input
     channels and ``ITEM_TILES`` tiles a product (the sums' depth) in a row tile, or in the
     one row tile of enough items."""
-    conv = _match_weight_grad(nest)
+    conv = _match(nest, weight_grad=True)
     if conv is None or conv.c.extent < MIN_CHANNELS:
         return None
     return _shared(conv, ITEM_TILES)
@@ -204,39 +204,25 @@ def _source_load(s_expr: Expr, o: Loop, y: Loop, x: Loop, tile: Loop | None, win
     return None if roles is None else (guard, pad, load, roles)
 
 
-def _match(nest: Loop) -> Conv | None:
+def _match(nest: Loop, weight_grad: bool = False) -> Conv | None:
+    """``nest`` as a :class:`Conv`: ``out[.., o, y, x] += w(o, window) * src(window)`` or,
+    with ``weight_grad``, ``w(o, c, ky, kx) += src(window) * g[.., o, y, x]``."""
     found = _window_nest(nest)
     if found is None:
         return None
     tile, o, y, x, window, aug = found
     windows = {lp.var for lp in window}
-    for w_expr, s_expr in ((aug.value.lhs, aug.value.rhs), (aug.value.rhs, aug.value.lhs)):
+    for other, s_expr in ((aug.value.lhs, aug.value.rhs), (aug.value.rhs, aug.value.lhs)):
         src = _source_load(s_expr, o, y, x, tile, window)
-        if src is None or not isinstance(w_expr, Load):
+        if src is None or not isinstance(other, Load):
             continue
         guard, pad, load, (c, ky, kx) = src
-        if (_index_vars(w_expr.ref) <= windows | {o.var}
-                and _is_output(aug.target, nest, o, y, x, tile, windows)
-                and aug.target.buffer not in (load.ref.buffer, w_expr.ref.buffer)):
-            return Conv(nest, tile, o, y, x, c, ky, kx, aug.target, w_expr.ref, load.ref, guard, pad)
-    return None
-
-
-def _match_weight_grad(nest: Loop) -> Conv | None:
-    found = _window_nest(nest)
-    if found is None:
-        return None
-    tile, o, y, x, window, aug = found
-    windows = {lp.var for lp in window}
-    for g_expr, s_expr in ((aug.value.lhs, aug.value.rhs), (aug.value.rhs, aug.value.lhs)):
-        src = _source_load(s_expr, o, y, x, tile, window)
-        if src is None or not isinstance(g_expr, Load):
-            continue
-        guard, pad, load, (c, ky, kx) = src
-        if (_index_vars(aug.target) <= {o.var, c.var, ky, kx}
-                and _is_output(g_expr.ref, nest, o, y, x, tile, windows)
-                and aug.target.buffer not in (load.ref.buffer, g_expr.ref.buffer)):
-            return Conv(nest, tile, o, y, x, c, ky, kx, aug.target, g_expr.ref, load.ref, guard, pad)
+        shaped = (_index_vars(aug.target) <= {o.var, c.var, ky, kx}
+                  and _is_output(other.ref, nest, o, y, x, tile, windows)) if weight_grad else (
+            _index_vars(other.ref) <= windows | {o.var}
+            and _is_output(aug.target, nest, o, y, x, tile, windows))
+        if shaped and aug.target.buffer not in (load.ref.buffer, other.ref.buffer):
+            return Conv(nest, tile, o, y, x, c, ky, kx, aug.target, other.ref, load.ref, guard, pad)
     return None
 
 
