@@ -181,7 +181,7 @@ def _widths(net, phase: str) -> set[int]:
 @pytest.mark.parametrize("shape,batch,threads,build,items", [
     ((16, 8, 8), 8, 2, _conv(8, 1), 4),        # 16 tiles an item: 4 items a product
     ((8, 7, 7), 6, 2, _conv(8, 1), 6),         # 16 tiles (partial ones): 6, the fewest dividing 6
-    ((16, 8, 8), 4, 2, _conv_relu_conv_pool, 4),   # level 3: fused with ReLUs and a pool
+    ((16, 8, 8), 4, 2, _conv_relu_conv_pool, 4),   # two convs, ReLUs and a pool
     ((8, 6, 6), 3, 1, _conv(8, 1), 0),         # 9 tiles: 3 items have 27, too few to pay
 ], ids=["8x8", "7x7", "fused", "6x6"])
 @pytest.mark.parametrize("level", [2, 3])

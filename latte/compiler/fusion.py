@@ -220,10 +220,8 @@ def _fit(chain: list, budget: int, max_lag: int, fixed: dict | None = None,
 def _rows(chain: list, budget: int, max_lag: int, fixed: dict) -> tuple[dict, int, tuple] | None:
     """Each member's tile rows, the tile's working set and the links: of the legal tilings
     that fit ``budget``, the one with the lowest tiles in which every member with weights
-    (a product's operand) gets ``MIN_TILE`` elements per channel. A conv after a 2x2 pool
-    gets tiles a quarter as wide as its producer's: counting the first member alone gave
-    its products 64 columns (and its weight gradients 64-deep sums) a tile. None where no
-    tiling is legal."""
+    (a product's operand) gets ``MIN_TILE`` elements per channel (a conv after a 2x2 pool
+    has tiles a quarter as wide as its producer's). None where no tiling is legal."""
     last = chain[-1].ensemble.shape[ROW_DIM]
     pairs = list(zip(chain, chain[1:]))   # (producer, consumer)
     per_row = [1]   # each member's rows per row of the last member

@@ -311,7 +311,8 @@ def _add_small_windows(rng, net, prefix: str, case: Case, ens: list, readers: di
     """In a sixth of the cases: an input of 8-11 channels at 5-9 rows and columns (too few
     2x2 tiles for a Winograd product of its own), a same-size 3x3 convolution into 8-10
     channels and, half of the time, a ReLU and another one: at level 2+, where the batch's
-    items have enough tiles together, their products are shared across items. Drawn from a
+    items have enough tiles together, their products (forward, input and weight gradients)
+    are shared across items. Drawn from a
     stream of its own: the case's other ensembles stay as they were."""
     if rng.random() >= 1 / 6:
         return

@@ -126,9 +126,12 @@ def winograd(kernel: Kernel, bufs) -> Kernel:
     for k, s in enumerate(kernel.body.stmts):
         conv = match(s) if is_batch_loop(s) else None
         grads = match_weight_grad(s) if is_batch_loop(s) and conv is None else None
-        stmts += ([s] if conv is None and grads is None
-                  else _rewrite(conv, bufs, (kernel.name, k)) if conv is not None
-                  else _rewrite_weight_grad(grads, bufs, (kernel.name, k)))
+        if conv is not None:
+            stmts += _rewrite(conv, bufs, (kernel.name, k))
+        elif grads is not None:
+            stmts += _rewrite_weight_grad(grads, bufs, (kernel.name, k))
+        else:
+            stmts.append(s)
     return replace(kernel, body=Block(tuple(stmts)))
 
 
