@@ -1,4 +1,5 @@
-"""The on-disk object cache: one file per key, checked before LLVM ever sees its bytes.
+"""The on-disk cache of object code (and of stored programs): one file per key, checked
+before LLVM (or the unpickler) ever sees its bytes.
 
 An entry is a header and the object code::
 
@@ -26,7 +27,7 @@ from pathlib import Path
 MAGIC = b"LATTEOB2"
 _HEADER = struct.Struct("<8s32s32sQ")
 _reported: set[Path] = set()   # damaged entries already warned about by this process
-_swept: set[Path] = set()      # cache folders this process has removed stale temporaries from
+_swept: set[tuple] = set()     # (folder, suffix) this process has removed stale temporaries of
 STALE_SECONDS = 600.0          # a write takes milliseconds: a temporary this old is orphaned
 
 
@@ -35,8 +36,10 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LATTE_CACHE_DIR") or Path.home() / ".cache" / "latte")
 
 
-def entry_path(key: str) -> Path:
-    return cache_dir() / f"{key}.o"
+def entry_path(key: str, suffix: str = ".o") -> Path:
+    """Where the entry for ``key`` lies: ``.o`` for object code, ``.program`` for a stored
+    program (:mod:`latte.compiler.stored`)."""
+    return cache_dir() / f"{key}{suffix}"
 
 
 def pack(key: str, obj: bytes) -> bytes:
@@ -61,10 +64,10 @@ def unpack(key: str, data: bytes) -> bytes:
     return obj
 
 
-def load(key: str) -> bytes | None:
-    """The cached object code for ``key``, or None (absent, unreadable or damaged: a damaged
+def load(key: str, suffix: str = ".o") -> bytes | None:
+    """The cached bytes for ``key``, or None (absent, unreadable or damaged: a damaged
     entry is reported and deleted)."""
-    path = entry_path(key)
+    path = entry_path(key, suffix)
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -82,16 +85,16 @@ def load(key: str) -> bytes | None:
         return None
 
 
-def store(key: str, obj: bytes) -> None:
+def store(key: str, obj: bytes, suffix: str = ".o") -> None:
     """Install the entry for ``obj`` under ``key`` atomically (a read-only or full cache only
     costs compile time). The first store of a process removes the temporary files that
     writes interrupted long ago (a killed process) left in the cache."""
     folder = cache_dir()
-    if folder not in _swept:
-        _swept.add(folder)
-        remove_temps(folder, "*.o", older_than=STALE_SECONDS)
+    if (folder, suffix) not in _swept:
+        _swept.add((folder, suffix))
+        remove_temps(folder, f"*{suffix}", older_than=STALE_SECONDS)
     try:
-        write_atomic(entry_path(key), pack(key, obj))
+        write_atomic(entry_path(key, suffix), pack(key, obj))
     except OSError:
         pass
 

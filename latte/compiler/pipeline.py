@@ -16,9 +16,10 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from latte.compiler import schedule
+from latte.compiler import schedule, stored
 from latte.compiler.buffers import BufferPlan, StepBuffers
 from latte.compiler.codegen import ModuleBuilder, split
+from latte.compiler.description import Undescribable, describe, observed
 from latte.compiler.fingerprint import fingerprint
 from latte.compiler.fusion import (
     ROW_DIM,
@@ -427,19 +428,51 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
 
     ``split_segments`` gives each ensemble's forward and backward its own native segment
     (and zeroing the gradients one of its own), so the runtime can act between ensembles:
-    start gradient reductions over MPI, time each ensemble when profiling.
+    start gradient reductions over MPI, time each ensemble when profiling. A program compiled
+    before for an equal description of the net is loaded from the disk cache instead
+    (:mod:`latte.compiler.stored`), unless ``LATTE_DUMP`` or ``LATTE_VERIFY`` watch the steps.
     """
-    bufs = BufferPlan(net.batch_size, threads if opt_level >= 2 else 1, net.time_steps)
-    # a tile's working set: the L2
-    c = Compilation(net, opt_level, bufs, split_segments, budget=cache_sizes()[2])
-    checked: dict[int, Kernel] = {}   # holds every checked kernel, so ids stay unique
+    desc = None
+    if not observed():
+        try:
+            desc = describe(net, (opt_level, split_segments, threads))
+        except Undescribable:
+            pass
+    found = stored.load(desc) if desc is not None else None
+    if found is not None:
+        program, fp, speed = found
+        program.library = _library(program, fp, speed, _verifier())
+        return program
+    verify = _verifier()
+    program = _run_steps(net, opt_level, split_segments, threads, verify)
+    # opt level 0 is the plain-loop baseline the others are checked against: LLVM's O1
+    # compiles it in half the time, and nothing at that level is meant to be fast
+    speed = 1 if opt_level == 0 else 3
+    fp = fingerprint(program.segments(), program.buffer_index(), program.buffers.threads)
+    program.library = _library(program, fp, speed, verify)
+    if desc is not None:
+        stored.store(desc, program, fp, speed)
+    return program
+
+
+def _verifier() -> Callable[[list[Kernel]], None]:
+    """A function verifying kernels, each only once (it holds them, so ids stay unique)."""
+    checked: dict[int, Kernel] = {}
 
     def verify(kernels: list[Kernel]) -> None:
         for kernel in kernels:   # a kernel a step returned unchanged is not checked again
             if checked.get(id(kernel)) is not kernel:
                 verify_kernel(kernel)
                 checked[id(kernel)] = kernel
+    return verify
 
+
+def _run_steps(net, opt_level: int, split_segments: bool, threads: int,
+               verify: Callable[[list[Kernel]], None]) -> Program:
+    """The program :data:`STEPS` make of ``net`` (its native code not built yet)."""
+    bufs = BufferPlan(net.batch_size, threads if opt_level >= 2 else 1, net.time_steps)
+    # a tile's working set: the L2
+    c = Compilation(net, opt_level, bufs, split_segments, budget=cache_sizes()[2])
     every_step = os.environ.get("LATTE_VERIFY") == "steps"
     for step in STEPS:
         if opt_level < step.min_opt:
@@ -454,24 +487,22 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
         if every_step or (step.name in VERIFIED_AFTER and step is not STEPS[-1]):
             verify(kernels)
         _dump(step.name, kernels)
-    # codegen: every segment into one LLVM module, then O3 + JIT; the disk cache is looked up
-    # by the program's fingerprint first, and on a hit the LLVM IR is never built. The last
-    # step's kernels are verified before the IR is built: a hit holds code made from the same
-    # kernels (the fingerprint covers them and the verifier's source), which passed then
-    program = c.program
-    index = {b: i for i, b in enumerate(program.buffers.buffers.values())}
-    segments, threads = program.segments(), program.buffers.threads
+    return c.program
+
+
+def _library(program: Program, fp: str, speed: int, verify: Callable[[list[Kernel]], None]):
+    """``program``'s native code at LLVM speed ``speed``: codegen puts every segment into
+    LLVM modules, then O3 + JIT; the disk cache is looked up by the program's fingerprint
+    ``fp`` first, and on a hit the LLVM IR is never built. The segments' kernels are verified
+    before the IR is built: a hit holds code made from the same kernels (the fingerprint
+    covers them and the verifier's source), which passed then."""
+    index, segments, threads = program.buffer_index(), program.segments(), program.buffers.threads
 
     def build_ir(parts: int) -> list[Callable[[], str]]:
-        verify(c.kernels())
+        verify([k for seg in segments for k in seg.kernels])
         return llvm_ir(segments, index, threads, parts)
 
-    # opt level 0 is the plain-loop baseline the others are checked against: LLVM's O1
-    # compiles it in half the time, and nothing at that level is meant to be fast
-    program.library = target().library(fingerprint(segments, index, threads), build_ir,
-                                       speed=1 if opt_level == 0 else 3)
-    return program
-
+    return target().library(fp, build_ir, speed=speed)
 
 def llvm_ir(segments: list[Segment], index: dict, threads: int,
             parts: int = 1) -> list[Callable[[], str]]:

@@ -98,6 +98,10 @@ class Program:
                                                        if s not in forward]
         return [s for s in steps if isinstance(s, Segment)]
 
+    def buffer_index(self) -> dict:
+        """Each buffer's slot in the table the native segments read their pointers from."""
+        return {b: i for i, b in enumerate(self.buffers.buffers.values())}
+
     def transient_layout(self) -> dict:
         """Where each shareable transient buffer lies in the arena, ``(start, end)`` in bytes:
         kernels run one at a time, so a buffer need only stay apart from those a kernel of its

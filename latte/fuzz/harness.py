@@ -29,6 +29,9 @@ from typing import Callable
 import numpy as np
 
 from latte import Net, Phase
+from latte.compiler import stored
+from latte.compiler.description import describe
+from latte.compiler.fingerprint import fingerprint
 from latte.fuzz.nets import Case, Config, build_case, case_of, config, normal
 from latte.lang import DataEnsemble, NormalizationEnsemble
 from latte.stdlib import DropoutEnsemble
@@ -119,7 +122,10 @@ def build(seeds: list[int], cfg: Config, level: int, loss: Callable | None = Non
     net = Net(cfg.batch, time_steps=cfg.time_steps, num_threads=cfg.threads, opt_level=level,
               seed=0)
     cases = [build_case(net, s, loss, derived) for s in seeds]
+    described = describe(net, (level, False, 1)).key
     net.init()
+    if describe(net, (level, False, 1)).key != described:
+        raise AssertionError(f"cases {seeds}: the net's description changed as it compiled")
     return net, cases
 
 
@@ -168,6 +174,7 @@ def _check(seeds: list[int], level: int | None, reference: bool, loss: Callable 
     start = time.process_time()
     opt, _ = build(seeds, cfg, level, loss, derived)
     timings["compileL"] = timings.get("compileL", 0.0) + time.process_time() - start
+    _check_stored(seeds, base, opt)
     rngs = {c.seed: np.random.default_rng([c.seed, 7]) for c in cases}   # a case's own draws
     for p, q in zip(base.params, opt.params, strict=True):
         assert p.name == q.name
@@ -208,6 +215,28 @@ def _check(seeds: list[int], level: int | None, reference: bool, loss: Callable 
             _reference_update(out, refs[0], base, step, lr, fragile)
         _compare_updates(out, f"step {step} update", base, opt, tol, against, spread, bounds)
     return out
+
+
+def _check_stored(seeds: list[int], base: Net, opt: Net) -> None:
+    """What a warm ``net.init()`` relies on, for these cases: two equal builds describe
+    alike, and the optimized program comes back from its pickle bound to the net's own
+    ensembles, with the fingerprint of the program it was."""
+    settings = (opt.opt_level, False, 1)
+    desc = describe(opt, settings)
+    if describe(base, settings).key != desc.key:
+        raise AssertionError(f"cases {seeds}: two equal nets have different descriptions")
+    data = stored.dumps(desc, opt.program, "", 0)
+    loaded = None if data is None else stored.loads(desc, data)
+    if loaded is None:
+        raise AssertionError(f"cases {seeds}: the program does not store and load")
+    program = loaded[0]
+    if (_fingerprint(program) != _fingerprint(opt.program)
+            or any(a is not b for (a, _), (b, _) in zip(program.params, opt.program.params))):
+        raise AssertionError(f"cases {seeds}: the stored program differs from the compiled one")
+
+
+def _fingerprint(program) -> str:
+    return fingerprint(program.segments(), program.buffer_index(), program.buffers.threads)
 
 
 def _compare_nets(out, what: str, base: Net, opt: Net, tol: float, against: str,

@@ -1,0 +1,263 @@
+"""A net's description: a canonical encoding of everything the compiler can read from it.
+
+The compiler is a function of the net (its batch size and time steps, each ensemble's class,
+name, shape, neuron type and fields, each connection's mapping function), of the settings it
+runs with (opt level, threads, ``LATTE_*`` variables), of the machine and of latte's own
+source. :func:`describe` encodes all of them into a sha256 key, so that a compiled program can
+be stored under it and found again before the compiler runs (a warm ``net.init()``).
+
+The encoding walks the net's object graph: values by value, functions by their bytecode,
+constants, closure cells, defaults and the globals they name, classes by every attribute of
+their own (latte's by name: its source is part of the key), arrays by their bytes except a
+field's storage, of which the compiler reads only the shape. Every object gets its place in
+the walk (:attr:`Description.objects`): shared and cyclic references encode as that place, and
+a stored program names the net's objects by it. An object of a kind the encoder does not know
+makes the net undescribable (:class:`Undescribable`): it is then compiled every time, never
+looked up by a key that could miss what the compiler read.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import importlib.metadata
+import os
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import latte
+from latte.lang.ensemble import DataEnsemble, FieldData
+
+# what the compiler reads of the Net object itself (the rest is run-time state)
+NET_ATTRIBUTES = ("batch_size", "time_steps", "ensembles", "connections")
+# variables that only print or check what the compiler does: with them it must run
+OBSERVING = ("LATTE_DUMP", "LATTE_VERIFY")
+# functions and attributes written in C: by name
+_BUILTINS = (types.BuiltinFunctionType, np.ufunc, types.MemberDescriptorType,
+             types.GetSetDescriptorType, types.WrapperDescriptorType,
+             types.MethodDescriptorType, types.ClassMethodDescriptorType)
+_RANDOM = (np.random.Generator, np.random.BitGenerator, np.random.RandomState)
+
+
+class Undescribable(Exception):
+    """The net holds an object the encoder does not know (named in the message)."""
+
+
+@dataclass
+class Description:
+    key: str          # sha256 (hex) of the encoding and the settings
+    objects: list     # the net's objects in the order the walk met them
+
+
+def describe(net, settings: tuple) -> Description:
+    """``net``'s description for compiling with ``settings`` (opt level, segments, threads)
+    on this machine; raises :class:`Undescribable`."""
+    from latte.compiler.jit import target  # noqa: PLC0415  (LLVM only once compiling)
+    from latte.compiler.machine import cache_sizes  # noqa: PLC0415
+
+    walk = _Walk()
+    walk.encode(net)
+    env = sorted((k, v) for k, v in os.environ.items()
+                 if k.startswith("LATTE_") and k != "LATTE_CACHE_DIR")
+    host = (target().cpu, target().features, sorted(cache_sizes().items()))
+    h = hashlib.sha256()
+    for part in (latte_digest(), versions(), repr(settings), repr(env), repr(host), *walk.out):
+        h.update(part.encode())
+        h.update(b"\0")
+    return Description(h.hexdigest()[:32], walk.objects)
+
+
+def observed() -> bool:
+    """Whether ``LATTE_DUMP`` or ``LATTE_VERIFY`` asks to watch the compiler run."""
+    return any(os.environ.get(name) for name in OBSERVING)
+
+
+@functools.lru_cache(maxsize=None)
+def latte_digest() -> str:
+    """A sha256 of every source file of latte's packages (the compiler, the language, the
+    stdlib): any change to them changes every key."""
+    h = hashlib.sha256()
+    for root in sorted({Path(p) for p in latte.__path__} | {Path(_stdlib_path())}):
+        for path in sorted(root.rglob("*.py")):
+            h.update(f"{root.name}/{path.relative_to(root).as_posix()}".encode() + b"\0")
+            h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _stdlib_path() -> str:
+    import latte.stdlib  # noqa: PLC0415
+
+    return latte.stdlib.__path__[0]
+
+
+@functools.lru_cache(maxsize=None)
+def versions() -> str:
+    parts = [sys.version]
+    for dist in ("numpy", "llvmlite", "islpy"):
+        try:
+            parts.append(f"{dist}={importlib.metadata.version(dist)}")
+        except importlib.metadata.PackageNotFoundError:
+            parts.append(f"{dist}=?")
+    return " ".join(parts)
+
+
+def _latte_module(name: str | None) -> bool:
+    return bool(name) and (name == "latte" or name.startswith("latte."))
+
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, np.generic, np.dtype)
+
+
+class _Walk:
+    """The encoding, as a list of strings, and the objects met, in order."""
+
+    def __init__(self):
+        self.out: list[str] = []
+        self.objects: list = []
+        self.place: dict[int, int] = {}   # id -> place (the objects list keeps them alive)
+
+    def encode(self, x) -> None:
+        if isinstance(x, _SCALARS):
+            self.out.append(f"{type(x).__name__}:{x!r}")
+        elif isinstance(x, enum.Enum):
+            self.out.append(f"enum:{type(x).__module__}.{type(x).__qualname__}.{x.name}")
+        elif isinstance(x, tuple):
+            self.out.append(f"tuple:{type(x).__qualname__}:{len(x)}")
+            for item in x:
+                self.encode(item)
+        elif id(x) in self.place:
+            self.out.append(f"@{self.place[id(x)]}")
+        else:
+            self.place[id(x)] = len(self.objects)
+            self.objects.append(x)
+            self._new(x)
+
+    def _new(self, x) -> None:
+        """Encode ``x``, met for the first time."""
+        out = self.out
+        if isinstance(x, (list, dict)):
+            items = list(x.items()) if isinstance(x, dict) else x
+            out.append(f"{type(x).__name__}:{len(items)}")
+            for item in items:
+                self.encode(item)
+        elif isinstance(x, (set, frozenset)):
+            if not all(isinstance(i, _SCALARS) for i in x):
+                raise Undescribable("a set of objects (its order differs between processes)")
+            out.append(f"set:{sorted(repr(i) for i in x)}")
+        elif isinstance(x, np.ndarray):
+            data = np.ascontiguousarray(x).tobytes()
+            out.append(f"array:{x.dtype.str}:{x.shape}:{hashlib.sha256(data).hexdigest()}")
+        elif isinstance(x, FieldData):   # the compiler reads a field's shape, never its values
+            out.append(f"field:{x.array.dtype.str}:{x.array.shape}")
+            self.encode((x.name, x.spec, x.index_map, x.lead_ndim, x.given_shape))
+        elif isinstance(x, types.ModuleType):
+            out.append(f"module:{x.__name__}")
+        elif isinstance(x, types.FunctionType):
+            self._function(x)
+        elif isinstance(x, _BUILTINS):
+            out.append(f"builtin:{type(x).__name__}:{getattr(x, '__module__', None)}."
+                       f"{getattr(x, '__qualname__', x.__name__)}")
+        elif isinstance(x, types.MethodType):
+            out.append("method")
+            self.encode((x.__self__, x.__func__))
+        elif isinstance(x, functools.partial):
+            out.append("partial")
+            self.encode((x.func, x.args, x.keywords))
+        elif isinstance(x, (staticmethod, classmethod)):
+            out.append(type(x).__name__)
+            self.encode(x.__func__)
+        elif isinstance(x, property):
+            out.append("property")
+            self.encode((x.fget, x.fset, x.fdel))
+        elif isinstance(x, type):
+            self._class(x)
+        elif isinstance(x, _RANDOM):   # its numbers are drawn at run time, never compiled in
+            out.append(f"random:{type(x).__name__}")
+        elif type(x).__name__ == "Net" and type(x).__module__ == "latte.net":
+            out.append("net")
+            for name in NET_ATTRIBUTES:
+                self.encode(getattr(x, name))
+        elif hasattr(x, "__dict__") or hasattr(type(x), "__slots__"):
+            self._instance(x)
+        else:
+            raise Undescribable(f"an object of type {type(x).__module__}.{type(x).__qualname__}")
+
+    def _instance(self, x) -> None:
+        self.out.append("object")
+        self.encode(type(x))
+        state = dict(getattr(x, "__dict__", {}))
+        for cls in type(x).__mro__:
+            for slot in getattr(cls, "__slots__", ()):
+                if slot not in ("__dict__", "__weakref__") and hasattr(x, slot):
+                    state[slot] = getattr(x, slot)
+        if isinstance(x, DataEnsemble):
+            state.pop("source", None)   # the data: read at run time, never compiled in
+        self.encode(state)
+
+    def _function(self, fn: types.FunctionType) -> None:
+        out = self.out
+        if _latte_module(fn.__module__):   # latte's source is part of the key
+            out.append(f"function:{fn.__module__}.{fn.__qualname__}:{fn.__code__.co_firstlineno}")
+        else:
+            out.append(f"function:{fn.__module__}.{fn.__qualname__}")
+            self._code(fn.__code__)
+            glob = fn.__globals__
+            names = sorted(n for n in _names(fn.__code__) if n in glob)
+            self.encode(tuple((n, glob[n]) for n in names))
+        cells = tuple(_contents(c) for c in fn.__closure__ or ())
+        self.encode((cells, fn.__defaults__, fn.__kwdefaults__))
+
+    def _code(self, code: types.CodeType) -> None:
+        self.out.append(f"code:{code.co_filename}:{code.co_firstlineno}:{code.co_code.hex()}:"
+                        f"{code.co_names}:{code.co_varnames}:{code.co_freevars}:"
+                        f"{code.co_cellvars}:{code.co_argcount}:{code.co_kwonlyargcount}:"
+                        f"{code.co_flags}")
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                self._code(const)
+            else:
+                self.encode(const)
+
+    def _class(self, cls: type) -> None:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if _by_name(cls.__module__):
+            self.out.append(f"class:{name}")
+            return
+        self.out.append(f"class:{name}:{len(cls.__mro__)}")
+        for base in cls.__mro__[1:]:
+            self.encode(base)
+        own = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+        self.encode(own)
+
+
+class _Empty:
+    """An empty closure cell's contents."""
+
+
+def _contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return _Empty
+
+
+def _by_name(module: str) -> bool:
+    """Whether a class of ``module`` is encoded by its name alone: latte's (its source is in
+    the key), Python's and numpy's (their versions are)."""
+    top = module.split(".")[0]
+    return _latte_module(module) or top in sys.stdlib_module_names or top in ("builtins", "numpy")
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """Every global or attribute name ``code`` and the code nested in it use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+

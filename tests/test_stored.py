@@ -1,0 +1,182 @@
+"""Stored programs: a net described like one compiled before loads that program instead of
+compiling (a warm ``net.init()``), bound to its own ensembles, and runs as the compiled one
+does; the description changes with everything the compiler reads; a net the encoder cannot
+describe, a damaged entry or a watched compile goes through the compiler."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+from helpers import WeightedSumLoss, fill
+
+from latte import Ensemble, Net, Neuron, Param, add_connections
+from latte.compiler import pipeline, stored
+from latte.compiler.description import Undescribable, describe
+from latte.compiler.program import Program
+from latte.stdlib import ConvolutionLayer, MemoryDataLayer, ReLULayer
+
+BATCH = 4
+STRIDE = 1   # a global the mapping function reads
+
+
+class DotNeuron(Neuron):
+    weights: Param
+
+    def forward(self):
+        for i in range(len(self.inputs[0])):
+            self.value += self.weights[i] * self.inputs[0][i]
+
+    def backward(self):
+        for i in range(len(self.inputs[0])):
+            self.grad_inputs[0][i] += self.weights[i] * self.grad
+            self.grad_weights[i] += self.inputs[0][i] * self.grad
+
+
+class ScaledDotNeuron(Neuron):
+    weights: Param
+
+    def forward(self):
+        for i in range(len(self.inputs[0])):
+            self.value += 2.0 * self.weights[i] * self.inputs[0][i]
+
+    def backward(self):
+        for i in range(len(self.inputs[0])):
+            self.grad_inputs[0][i] += 2.0 * self.weights[i] * self.grad
+            self.grad_weights[i] += 2.0 * self.inputs[0][i] * self.grad
+
+
+def _net(batch=BATCH, width=3, shift=0, neuron=DotNeuron, name="dot", channels=4, seed=0,
+         extra=None):
+    """Images through a conv and a ReLU, then a user neuron over a window of each row."""
+    net = Net(batch, num_threads=1, seed=seed)
+    x = MemoryDataLayer(net, "x", (2, 8, 8))
+    top = ReLULayer("relu", net, ConvolutionLayer("conv", net, x, 3, 3, pad=1))
+    w = np.random.default_rng(seed).standard_normal((channels, width)).astype(np.float32)
+    dot = Ensemble(net, name, neuron, (channels,), weights=w)
+    add_connections(net, top, dot,
+                    lambda o: (range(0, 1), range(o * STRIDE + shift, o * STRIDE + shift + width),
+                               range(extra is not None, 1 + (extra is not None))))
+    WeightedSumLoss(net, "loss", dot)
+    return net, x
+
+
+@pytest.fixture
+def compiles(monkeypatch, tmp_path):
+    """Stored programs on (not watched), an empty cache; counts the compiler's runs."""
+    monkeypatch.delenv("LATTE_VERIFY", raising=False)
+    monkeypatch.delenv("LATTE_DUMP", raising=False)
+    monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
+    runs = []
+    run_steps = pipeline._run_steps
+    monkeypatch.setattr(pipeline, "_run_steps", lambda *a: runs.append(1) or run_steps(*a))
+    return runs
+
+
+def _train(net, x, steps=2):
+    rng = np.random.default_rng(5)
+    out = []
+    for _ in range(steps):
+        fill(net, x, rng)
+        net.forward()
+        net.backward()
+        net.update(0.05, 0.9)
+        out += [net.loss] + [p.value.copy() for p in net.params] + [p.grad.copy() for p in net.params]
+    return out
+
+
+def test_an_equal_net_loads_the_stored_program_and_runs_alike(compiles, tmp_path):
+    first, x1 = _net()
+    first.init()
+    assert len(compiles) == 1 and len(list(tmp_path.glob("*.program"))) == 1
+    second, x2 = _net()
+    second.init()
+    assert len(compiles) == 1   # loaded, not compiled
+    assert second.program is not first.program
+    ensembles = {id(e) for e in second.ensembles}
+    assert all(id(p.ensemble) in ensembles for p in second.program.plans)
+    assert all(id(e) in ensembles for e, _ in second.program.params)
+    for a, b in zip(_train(first, x1), _train(second, x2), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_watched_compile_runs_the_compiler(compiles, monkeypatch):
+    _net()[0].init()
+    monkeypatch.setenv("LATTE_VERIFY", "steps")
+    _net()[0].init()
+    assert len(compiles) == 2
+
+
+VARIANTS = {
+    "batch": dict(batch=BATCH + 2),
+    "closure": dict(width=2),
+    "another closure value": dict(shift=1),
+    "neuron code": dict(neuron=ScaledDotNeuron),
+    "ensemble name": dict(name="dot2"),
+    "shape": dict(channels=3),
+    "captured object": dict(extra=object),
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_key_follows_what_the_compiler_reads(variant, compiles):
+    key = describe(_net()[0], (3, False, 1)).key
+    assert describe(_net(**VARIANTS[variant])[0], (3, False, 1)).key != key
+
+
+def test_the_key_follows_globals_settings_and_variables(compiles, monkeypatch):
+    net = _net()[0]
+    key = describe(net, (3, False, 1)).key
+    assert describe(_net(seed=1)[0], (3, False, 1)).key == key   # weights are not compiled in
+    assert len({key, describe(net, (2, False, 1)).key, describe(net, (3, True, 1)).key,
+                describe(net, (3, False, 2)).key}) == 4
+    monkeypatch.setattr(sys.modules[__name__], "STRIDE", 0)
+    assert describe(net, (3, False, 1)).key != key
+    monkeypatch.setattr(sys.modules[__name__], "STRIDE", 1)
+    monkeypatch.setenv("LATTE_WINOGRAD", "0")
+    assert describe(net, (3, False, 1)).key != key
+
+
+def test_a_net_the_encoder_cannot_describe_compiles_every_time(compiles, tmp_path):
+    lock = threading.Lock()
+    for _ in range(2):
+        net, _ = _net()
+        net.ensembles[-1].guard = lock   # host code's lock: no value a key can hold
+        with pytest.raises(Undescribable, match="lock"):
+            describe(net, (3, False, 1))
+        net.init()
+    assert len(compiles) == 2 and not list(tmp_path.glob("*.program"))
+
+
+def test_a_damaged_entry_is_reported_and_compiled_anew(compiles, tmp_path):
+    _net()[0].init()
+    (entry,) = tmp_path.glob("*.program")
+    data = bytearray(entry.read_bytes())
+    data[-10] ^= 0xFF
+    entry.write_bytes(bytes(data))
+    net, x = _net()
+    with pytest.warns(RuntimeWarning, match="damaged cache entry"):
+        net.init()
+    assert len(compiles) == 2
+    fresh, x2 = _net()
+    fresh.init()
+    assert len(compiles) == 2   # the rebuilt entry loads
+    for a, b in zip(_train(net, x), _train(fresh, x2), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+class _Thing:
+    """A user's object the description never met."""
+
+
+def test_a_program_holding_an_object_from_outside_the_net_is_not_stored(compiles):
+    net = _net()[0]
+    desc = describe(net, (3, False, 1))
+    conv = net.ensembles[1]
+    stored.store(desc, Program(None, [], [], [], [(conv, "weights")], [], 3), "fp", 3)
+    assert stored.load(desc)[0].params[0][0] is conv   # the net's own: named by its place
+    other = describe(_net(name="other")[0], (3, False, 1))
+    stored.store(other, Program(None, [], [], [], [(_Thing(), "w")], [], 3), "fp", 3)
+    assert stored.load(other) is None   # a copy would part from the user's object
