@@ -168,8 +168,8 @@ def _trial(g: Gemm) -> list[str]:
 
 
 def _arena(program) -> list[str]:
-    """How much memory the transient buffers share (:meth:`Program.transient_layout`)."""
-    placed = program.transient_layout()
+    """How much memory the transient buffers share (:attr:`Program.transient_layout`)."""
+    placed = program.transient_layout
     if not placed:
         return []
     alone = sum(end - start for start, end in placed.values())

@@ -17,6 +17,11 @@ from typing import Any, Callable, Iterator
 class Node:
     """Base of every IR node."""
 
+    def __getstate__(self) -> dict:
+        """The fields, without what a node remembers of itself (``_children``, ``_accesses``,
+        ``_offset``: remade when asked for), for a stored program."""
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
 
 class Expr(Node):
     """Base of expressions."""

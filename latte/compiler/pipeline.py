@@ -451,6 +451,7 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     fp = fingerprint(program.segments(), program.buffer_index(), program.buffers.threads)
     program.library = _library(program, fp, speed, verify)
     if desc is not None:
+        program.transient_layout   # noqa: B018  (placed now, the stored program holds it)
         stored.store(desc, program, fp, speed)
     return program
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from latte.aligned import ALIGN
@@ -102,8 +103,10 @@ class Program:
         """Each buffer's slot in the table the native segments read their pointers from."""
         return {b: i for i, b in enumerate(self.buffers.buffers.values())}
 
+    @functools.cached_property
     def transient_layout(self) -> dict:
-        """Where each shareable transient buffer lies in the arena, ``(start, end)`` in bytes:
+        """Where each shareable transient buffer lies in the arena, ``(start, end)`` in bytes
+        (placed once: a stored program holds it, so a warm init need not walk its kernels):
         kernels run one at a time, so a buffer need only stay apart from those a kernel of its
         own also uses; each takes the lowest place that does (first fit, in plan order). VGG-16's
         Winograd layers so transform their weights into one 16 MiB block, warm in cache from the

@@ -12,6 +12,7 @@ the cache folder must be the user's own.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
 import pickle
@@ -75,7 +76,8 @@ def dumps(desc: Description, program, fingerprint: str, speed: int) -> bytes | N
     library, program.library = program.library, None
     buf = io.BytesIO()
     try:
-        _Pickler(buf, desc).dump((program, fingerprint, speed))
+        with _no_collections():
+            _Pickler(buf, desc).dump((program, fingerprint, speed))
     except (pickle.PicklingError, TypeError, AttributeError):
         return None
     finally:
@@ -86,12 +88,21 @@ def dumps(desc: Description, program, fingerprint: str, speed: int) -> bytes | N
 def loads(desc: Description, data: bytes):
     """What :func:`dumps` made, its places bound to ``desc``'s objects; None if it does not
     load."""
-    collecting = gc.isenabled()
-    gc.disable()   # a program is ~10^5 objects: collections while loading them cost 5x
     try:
-        return _Unpickler(io.BytesIO(data), desc.objects).load()
+        with _no_collections():
+            return _Unpickler(io.BytesIO(data), desc.objects).load()
     except Exception:   # noqa: BLE001  (whatever the entry holds, compiling is the answer)
         return None
+
+
+@contextlib.contextmanager
+def _no_collections():
+    """The garbage collector paused: a program is ~10^5 objects, and the collections that
+    making them all at once sets off took 4/5 of the time to load ResNet-50's."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
     finally:
         if collecting:
             gc.enable()

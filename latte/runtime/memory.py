@@ -24,11 +24,11 @@ def window(home: np.ndarray, shape: tuple[int, ...], offset: int) -> np.ndarray:
 def shared_transients(program: Program) -> dict:
     """Views of one arena for the transient buffers (:mod:`latte.compiler.buffers`) that
     every kernel using them fills (not a recurrent weight packed before a time loop and read
-    at its steps), placed by :meth:`~latte.compiler.program.Program.transient_layout`.
+    at its steps), placed by :attr:`~latte.compiler.program.Program.transient_layout`.
     ``LATTE_SHARE_TRANSIENTS=0``: one allocation each."""
     if os.environ.get("LATTE_SHARE_TRANSIENTS") == "0":
         return {}
-    placed = program.transient_layout()
+    placed = program.transient_layout
     arena = aligned_zeros((max((end for _, end in placed.values()), default=0) // 4,), np.float32)
     return {buf: arena[at // 4: at // 4 + buf.size].reshape(buf.shape)
             for buf, (at, _) in placed.items()}
