@@ -49,11 +49,16 @@ class ScaledDotNeuron(Neuron):
 
 
 def _net(batch=BATCH, width=3, shift=0, neuron=DotNeuron, name="dot", channels=4, seed=0,
-         extra=None):
-    """Images through a conv and a ReLU, then a user neuron over a window of each row."""
+         extra=None, shared=False):
+    """Images through a conv and a ReLU, then a user neuron over a window of each row (of
+    the conv's output if ``shared``: the ReLU then works on a copy the compiler adds)."""
     net = Net(batch, num_threads=1, seed=seed)
     x = MemoryDataLayer(net, "x", (2, 8, 8))
-    top = ReLULayer("relu", net, ConvolutionLayer("conv", net, x, 3, 3, pad=1))
+    conv = ConvolutionLayer("conv", net, x, 3, 3, pad=1)
+    top = ReLULayer("relu", net, conv)
+    if shared:
+        WeightedSumLoss(net, "relu_loss", top)
+        top = conv
     w = np.random.default_rng(seed).standard_normal((channels, width)).astype(np.float32)
     dot = Ensemble(net, name, neuron, (channels,), weights=w)
     add_connections(net, top, dot,
@@ -87,14 +92,17 @@ def _train(net, x, steps=2):
     return out
 
 
-def test_an_equal_net_loads_the_stored_program_and_runs_alike(compiles, tmp_path):
-    first, x1 = _net()
+@pytest.mark.parametrize("shared", [False, True])
+def test_an_equal_net_loads_the_stored_program_and_runs_alike(shared, compiles, tmp_path):
+    first, x1 = _net(shared=shared)
     first.init()
     assert len(compiles) == 1 and len(list(tmp_path.glob("*.program"))) == 1
-    second, x2 = _net()
+    second, x2 = _net(shared=shared)
     second.init()
     assert len(compiles) == 1   # loaded, not compiled
     assert second.program is not first.program
+    assert [e.name for e in second.ensembles] == [e.name for e in first.ensembles]
+    assert any(e.name == "relu.in" for e in second.ensembles) == shared
     ensembles = {id(e) for e in second.ensembles}
     assert all(id(p.ensemble) in ensembles for p in second.program.plans)
     assert all(id(e) in ensembles for e, _ in second.program.params)

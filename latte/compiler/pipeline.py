@@ -348,7 +348,6 @@ def _coalesce_loops(c: Compilation) -> None:
 
 
 STEPS = (
-    Step("check_graph", 0, lambda c: check_graph(c.net), per_kernel=False),
     Step("analyze", 0, _analyze, per_kernel=False),
     Step("synthesize", 0, _synthesize, per_kernel=False),
     # zero-copy joins (at opt level 0 they only say why not): before every pass that reads
@@ -431,7 +430,10 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     start gradient reductions over MPI, time each ensemble when profiling. A program compiled
     before for an equal description of the net is loaded from the disk cache instead
     (:mod:`latte.compiler.stored`), unless ``LATTE_DUMP`` or ``LATTE_VERIFY`` watch the steps.
+    The graph is checked first, and what that adds to the net (the copies some activations
+    work on) is part of its description.
     """
+    check_graph(net)
     desc = None
     if not observed():
         try:

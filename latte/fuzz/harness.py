@@ -32,6 +32,7 @@ from latte import Net, Phase
 from latte.compiler import stored
 from latte.compiler.description import describe
 from latte.compiler.fingerprint import fingerprint
+from latte.compiler.graph_checks import check_graph
 from latte.fuzz.nets import Case, Config, build_case, case_of, config, normal
 from latte.lang import DataEnsemble, NormalizationEnsemble
 from latte.stdlib import DropoutEnsemble
@@ -122,6 +123,7 @@ def build(seeds: list[int], cfg: Config, level: int, loss: Callable | None = Non
     net = Net(cfg.batch, time_steps=cfg.time_steps, num_threads=cfg.threads, opt_level=level,
               seed=0)
     cases = [build_case(net, s, loss, derived) for s in seeds]
+    check_graph(net)   # what compile_net does to the net before describing it
     described = describe(net, (level, False, 1)).key
     net.init()
     if describe(net, (level, False, 1)).key != described:
