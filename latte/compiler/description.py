@@ -61,7 +61,10 @@ def describe(net, settings: tuple) -> Description:
     from latte.compiler.machine import cache_sizes  # noqa: PLC0415
 
     walk = _Walk()
-    walk.encode(net)
+    try:
+        walk.encode(net)
+    except RecursionError:
+        raise Undescribable("objects nested deeper than Python's recursion limit") from None
     env = sorted((k, v) for k, v in os.environ.items()
                  if k.startswith("LATTE_") and k != "LATTE_CACHE_DIR")
     host = (target().cpu, target().features, sorted(cache_sizes().items()))
