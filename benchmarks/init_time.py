@@ -7,9 +7,10 @@ followed by a ReLU, a 2x2 max pooling after each block) and 3 fully connected la
 (4096, 4096, 1000), batch 2, 224x224x3 images, stdlib layers, opt level 3. ResNet-50 is
 the zoo's (``latte.zoo.resnet50``, batch norm, 1000 classes) at the same batch and size. LeNet is
 Caffe's at batch 64 (``benchmarks/lenet.py``). Each net gets a private, empty cache
-directory; the first worker compiles (cold), the next ``--repeat`` find the code in the
-cache (warm). The table gives the cold time and the median warm time of ``net.init()``
-alone (building the layers, which draws the random weights, is not counted).
+directory; the first worker compiles (cold), the next ``--repeat`` find the program and
+its code in the cache (warm: the compiler does not run). The table gives the cold time and
+the median warm time of ``net.init()`` alone (building the layers, which draws the random
+weights, is not counted).
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def worker(name: str, threads: int) -> None:
     net = NETS[name](threads)
     start = time.perf_counter()
     net.init()
-    emit({"init_s": time.perf_counter() - start, "from_cache": net.program.library.from_cache})
+    emit({"init_s": time.perf_counter() - start, "from_cache": net.program.library.from_cache,
+          "stored": net.program.stored})
 
 
 def run(name: str, threads: int, cache: str) -> dict:
@@ -118,13 +120,14 @@ def main() -> None:
             warm = [run(name, args.threads, cache) for _ in range(args.repeat)]
         finally:
             shutil.rmtree(cache, ignore_errors=True)
-        hits = sum(w["from_cache"] for w in warm)
+        hits, stored = sum(w["from_cache"] for w in warm), sum(w["stored"] for w in warm)
         rows.append([name, f"{cold['init_s']:.2f}",
                      f"{statistics.median(w['init_s'] for w in warm):.2f}",
-                     f"{hits}/{len(warm)}"])
+                     f"{hits}/{len(warm)}", f"{stored}/{len(warm)}"])
     print(f"net.init() in fresh processes, {args.threads} threads, opt level 3; "
           f"{machine()}")
-    print(table(rows, ["net", "cold s", "warm s (median)", "warm runs from cache"]))
+    print(table(rows, ["net", "cold s", "warm s (median)", "warm runs: code from cache",
+                       "program stored"]))
     print(load.note())
 
 

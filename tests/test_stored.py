@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -100,6 +101,7 @@ def test_an_equal_net_loads_the_stored_program_and_runs_alike(shared, compiles, 
     second, x2 = _net(shared=shared)
     second.init()
     assert len(compiles) == 1   # loaded, not compiled
+    assert second.program.stored and not first.program.stored
     assert second.program is not first.program
     assert [e.name for e in second.ensembles] == [e.name for e in first.ensembles]
     assert any(e.name == "relu.in" for e in second.ensembles) == shared
@@ -145,6 +147,25 @@ def test_the_key_follows_globals_settings_and_variables(compiles, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "STRIDE", 1)
     monkeypatch.setenv("LATTE_WINOGRAD", "0")
     assert describe(net, (3, False, 1)).key != key
+
+
+def test_the_key_follows_a_users_module_a_mapping_reads(compiles, monkeypatch):
+    """A mapping calling ``helpers.first(o)``: the module is the user's, so the function it
+    names in it is part of the key, not the module's name alone."""
+    helpers = types.ModuleType("user_helpers")
+    helpers.first = lambda o: o
+    monkeypatch.setattr(sys.modules[__name__], "user_helpers", helpers, raising=False)
+
+    def build():
+        net = Net(BATCH, num_threads=1, seed=0)
+        x = MemoryDataLayer(net, "x", (8,))
+        dot = Ensemble(net, "dot", DotNeuron, (4,), weights=np.ones((4, 3), np.float32))
+        add_connections(net, x, dot, lambda o: (range(user_helpers.first(o), user_helpers.first(o) + 3),))  # noqa: F821
+        return net
+
+    key = describe(build(), (3, False, 1)).key
+    helpers.first = lambda o: o + 1
+    assert describe(build(), (3, False, 1)).key != key
 
 
 def test_a_net_the_encoder_cannot_describe_compiles_every_time(compiles, tmp_path):

@@ -209,11 +209,22 @@ class _Walk:
         else:
             out.append(f"function:{fn.__module__}.{fn.__qualname__}")
             self._code(fn.__code__)
-            glob = fn.__globals__
-            names = sorted(n for n in _names(fn.__code__) if n in glob)
-            self.encode(tuple((n, glob[n]) for n in names))
+            names = _names(fn.__code__)
+            self.encode(tuple((n, fn.__globals__[n]) for n in sorted(names & fn.__globals__.keys())))
+            for n in sorted(names & fn.__globals__.keys()):
+                self._module_attributes(fn.__globals__[n], names)
         cells = tuple(_contents(c) for c in fn.__closure__ or ())
         self.encode((cells, fn.__defaults__, fn.__kwdefaults__))
+
+    def _module_attributes(self, value, names: set[str], depth: int = 3) -> None:
+        """What a function naming ``names`` may read of a user's module ``value`` (a module is
+        otherwise encoded by its name): each attribute of those names, and theirs in turn."""
+        if not isinstance(value, types.ModuleType) or _by_name(value.__name__) or not depth:
+            return
+        found = tuple((n, getattr(value, n)) for n in sorted(names) if hasattr(value, n))
+        self.encode(found)
+        for _, attribute in found:
+            self._module_attributes(attribute, names, depth - 1)
 
     def _code(self, code: types.CodeType) -> None:
         self.out.append(f"code:{code.co_filename}:{code.co_firstlineno}:{code.co_code.hex()}:"

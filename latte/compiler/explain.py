@@ -181,7 +181,8 @@ def _arena(program) -> list[str]:
 def explain_program(program) -> str:
     """Per ensemble: shared dimensions, GEMM matches and the generated loops."""
     cached = program.library is not None and program.library.from_cache
-    out = [f"opt_level {program.opt_level}; {len(program.buffers.buffers)} buffers; "
+    made = "stored program loaded (not compiled)" if program.stored else "compiled"
+    out = [f"opt_level {program.opt_level}; {len(program.buffers.buffers)} buffers; {made}; "
            f"native code {'from the disk cache' if cached else 'compiled'}", *_arena(program)]
     out += _locality(program)
     out += _test_phase(program)

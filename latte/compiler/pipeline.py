@@ -443,6 +443,7 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     found = stored.load(desc) if desc is not None else None
     if found is not None:
         program, fp, speed = found
+        program.stored = True
         program.library = _library(program, fp, speed, _verifier())
         return program
     verify = _verifier()

@@ -91,6 +91,7 @@ class Program:
     budget: int = 0                               # bytes a tile's working set may use
     fused_steps: list = field(default_factory=list)   # time-loop ensembles run as one loop
     joins: list = field(default_factory=list)   # concatenations: zero-copy, or why not
+    stored: bool = False   # loaded from the disk cache, not compiled (latte.compiler.stored)
 
     def segments(self) -> list[Segment]:
         """Every native segment, each once (the test forward shares unchanged ones)."""
