@@ -232,8 +232,9 @@ def test_two_processes_fill_one_cache_at_once(tmp_path, fresh):
         assert "damaged" not in err
         assert {n: r["results"] for n, r in got.items()} == {n: r["results"] for n, r in reports.items()}
     assert _entries(tmp_path, reports) == entries
-    names = {p.name for p in tmp_path.iterdir()}   # the nets' and their updates' objects
-    assert all(n.endswith(".o") for n in names), names   # no temporary file left
+    names = {p.name for p in tmp_path.iterdir()}   # the nets' and their updates' objects,
+    assert all(n.endswith((".o", ".program")) for n in names), names   # stored programs and
+    # no temporary file
     assert {f"{r['key']}.o" for r in reports.values()} <= names
     got, err = _finish(_start(tmp_path))
     assert all(r["from_cache"] for r in got.values()) and "damaged" not in err

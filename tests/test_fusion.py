@@ -236,6 +236,7 @@ def _set_l2(monkeypatch, size: int | None) -> None:
     if size is not None:
         sizes = {**machine.cache_sizes(), 2: size}
         monkeypatch.setattr(latte.compiler.pipeline, "cache_sizes", lambda: sizes)
+        monkeypatch.setenv("LATTE_STORED_PROGRAMS", "0")   # a patched machine: compile
 
 
 @pytest.fixture(scope="module")

@@ -286,6 +286,7 @@ def test_window_tiles_are_multiplied_in_place_and_match_level_0(monkeypatch):
     import latte.compiler.pipeline as pipeline  # noqa: PLC0415
 
     monkeypatch.setattr(pipeline, "vector_registers", lambda: (512, 32))
+    monkeypatch.setenv("LATTE_STORED_PROGRAMS", "0")   # a patched machine: compile
     base, opt = _conv(0), _conv(2)
     gemms = [g for p in opt.program.plans if p.ensemble.name == "conv"
              for g in walk(p.kernels["forward"].body) if isinstance(g, Gemm)]
@@ -299,6 +300,7 @@ def test_window_tiles_are_multiplied_in_place_and_match_level_0(monkeypatch):
     for p, q in zip(base.params, opt.params):
         assert_scaled_close(q.grad, p.grad, 1e-5, p.name)
     monkeypatch.setattr(pipeline, "vector_registers", lambda: (256, 16))
+    monkeypatch.setenv("LATTE_STORED_PROGRAMS", "0")
     monkeypatch.setenv("LATTE_PACK", "1")
     avx2 = _conv(2)
     monkeypatch.setenv("LATTE_PACK", "0")
@@ -429,6 +431,7 @@ def test_explain_shows_what_the_trial_chose(monkeypatch, tmp_path, ratio):
     from latte.compiler.explain import explain_program  # noqa: PLC0415
 
     monkeypatch.setattr(pipeline, "vector_registers", lambda: (512, 32))
+    monkeypatch.setenv("LATTE_STORED_PROGRAMS", "0")   # a patched machine: compile
     monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("LATTE_IN_PLACE", raising=False)
     monkeypatch.setattr(trials, "time_in_place", lambda products, *args: [ratio] * len(products))

@@ -72,8 +72,8 @@ def _net(batch=BATCH, width=3, shift=0, neuron=DotNeuron, name="dot", channels=4
 @pytest.fixture
 def compiles(monkeypatch, tmp_path):
     """Stored programs on (not watched), an empty cache; counts the compiler's runs."""
-    monkeypatch.delenv("LATTE_VERIFY", raising=False)
     monkeypatch.delenv("LATTE_DUMP", raising=False)
+    monkeypatch.delenv("LATTE_STORED_PROGRAMS", raising=False)
     monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
     runs = []
     run_steps = pipeline._run_steps
@@ -112,11 +112,13 @@ def test_an_equal_net_loads_the_stored_program_and_runs_alike(shared, compiles, 
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_watched_compile_runs_the_compiler(compiles, monkeypatch):
+@pytest.mark.parametrize("variable", ["LATTE_DUMP=ir:synthesize", "LATTE_STORED_PROGRAMS=0"])
+def test_a_watched_compile_runs_the_compiler(variable, compiles, monkeypatch, capfd):
     _net()[0].init()
-    monkeypatch.setenv("LATTE_VERIFY", "steps")
+    monkeypatch.setenv(*variable.split("="))
     _net()[0].init()
     assert len(compiles) == 2
+    assert ("after synthesize" in capfd.readouterr().err) == variable.startswith("LATTE_DUMP")
 
 
 VARIANTS = {

@@ -35,8 +35,6 @@ from latte.lang.ensemble import DataEnsemble, FieldData
 
 # what the compiler reads of the Net object itself (the rest is run-time state)
 NET_ATTRIBUTES = ("batch_size", "time_steps", "ensembles", "connections")
-# variables that only print or check what the compiler does: with them it must run
-OBSERVING = ("LATTE_DUMP", "LATTE_VERIFY")
 # functions and attributes written in C: by name
 _BUILTINS = (types.BuiltinFunctionType, np.ufunc, types.MemberDescriptorType,
              types.GetSetDescriptorType, types.WrapperDescriptorType,
@@ -75,9 +73,11 @@ def describe(net, settings: tuple) -> Description:
     return Description(h.hexdigest()[:32], walk.objects)
 
 
-def observed() -> bool:
-    """Whether ``LATTE_DUMP`` or ``LATTE_VERIFY`` asks to watch the compiler run."""
-    return any(os.environ.get(name) for name in OBSERVING)
+def wanted() -> bool:
+    """Whether a stored program may stand for compiling: not where ``LATTE_DUMP`` asks to
+    watch the compiler's steps, nor with ``LATTE_STORED_PROGRAMS=0``. (``LATTE_VERIFY`` is
+    part of the key: a program stored under it was verified after every step.)"""
+    return not os.environ.get("LATTE_DUMP") and os.environ.get("LATTE_STORED_PROGRAMS") != "0"
 
 
 @functools.lru_cache(maxsize=None)

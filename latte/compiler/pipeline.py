@@ -19,7 +19,7 @@ from typing import Callable
 from latte.compiler import schedule, stored
 from latte.compiler.buffers import BufferPlan, StepBuffers
 from latte.compiler.codegen import ModuleBuilder, split
-from latte.compiler.description import Undescribable, describe, observed
+from latte.compiler.description import Undescribable, describe, wanted
 from latte.compiler.fingerprint import fingerprint
 from latte.compiler.fusion import (
     ROW_DIM,
@@ -429,13 +429,14 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     (and zeroing the gradients one of its own), so the runtime can act between ensembles:
     start gradient reductions over MPI, time each ensemble when profiling. A program compiled
     before for an equal description of the net is loaded from the disk cache instead
-    (:mod:`latte.compiler.stored`), unless ``LATTE_DUMP`` or ``LATTE_VERIFY`` watch the steps.
+    (:mod:`latte.compiler.stored`), unless ``LATTE_DUMP`` watches the steps or
+    ``LATTE_STORED_PROGRAMS=0``.
     The graph is checked first, and what that adds to the net (the copies some activations
     work on) is part of its description.
     """
     check_graph(net)
     desc = None
-    if not observed():
+    if wanted():
         try:
             desc = describe(net, (opt_level, split_segments, threads))
         except Undescribable:
