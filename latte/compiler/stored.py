@@ -4,8 +4,9 @@ A warm ``net.init()`` finds the program the compiler made for an equal descripti
 (:mod:`latte.compiler.description`) and skips the compiler: the program is pickled with every
 object of the net (ensembles, connections, neuron types, mapping functions, field storage)
 written as its place in the description's walk, and loaded back onto the objects at the same
-places of the net now being initialized. A program that names an object of the net the walk
-did not meet, or does not pickle, is not stored. Entries use the object cache's format
+places of the net now being initialized. A program holding an object that the walk did not
+meet and that neither latte's compiler nor a library made (its copy would part from the
+user's object), or that does not pickle, is not stored. Entries use the object cache's format
 (checked on load, written atomically); like the object code beside them they are trusted, so
 the cache folder must be the user's own.
 """
@@ -72,13 +73,13 @@ def store(desc: Description, program, fingerprint: str, speed: int) -> None:
 def dumps(desc: Description, program, fingerprint: str, speed: int) -> bytes | None:
     """``(program, fingerprint, speed)`` pickled, its library left out, the objects of
     ``desc`` written as their places; None if it holds anything else that is not
-    latte's or a library's."""
+    latte's or a library's, or nests deeper than Python's recursion limit."""
     library, program.library = program.library, None
     buf = io.BytesIO()
     try:
         with _no_collections():
             _Pickler(buf, desc).dump((program, fingerprint, speed))
-    except (pickle.PicklingError, TypeError, AttributeError):
+    except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
         return None
     finally:
         program.library = library
