@@ -4,7 +4,8 @@ steps and prints one JSON line per net.
     python tests/net_worker.py NET [NET ...] [--junk N]
 
 Each line holds the net's cache key, the sha256 of its LLVM IR (None when the code came from
-the cache), the sha256 of its loop IR, whether the code came from the cache, its fused
+the cache), the sha256 of its loop IR, whether the code came from the cache and the program
+was a stored one, its fused
 groups and a sha256 of the loss, parameters and gradients after two SGD steps. ``--junk N``
 allocates N objects first, so that objects land at other addresses than in another run.
 """
@@ -87,6 +88,7 @@ def report(net) -> dict:
             h.update(p.grad.tobytes())
         net.update(0.01, 0.9, 0.0005)
     return {"key": lib.key, "llvm_ir": lib.ir_digest, "from_cache": lib.from_cache,
+            "stored": program.stored,
             "loop_ir": hashlib.sha256(loop_ir.encode()).hexdigest(), "groups": len(program.groups),
             "results": h.hexdigest()}
 

@@ -5,9 +5,13 @@ describe, a damaged entry or a watched compile goes through the compiler."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import threading
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +25,8 @@ from latte.stdlib import ConvolutionLayer, MemoryDataLayer, ReLULayer
 
 BATCH = 4
 STRIDE = 1   # a global the mapping function reads
+WORKER = Path(__file__).with_name("net_worker.py")
+WORKER_NETS = ("lenet", "vgg_block", "mlp")   # convolutions, a fused group, FC layers
 
 
 class DotNeuron(Neuron):
@@ -211,3 +217,22 @@ def test_a_program_holding_an_object_from_outside_the_net_is_not_stored(compiles
     other = describe(_net(name="other")[0], (3, False, 1))
     stored.store(other, Program(None, [], [], [], [(_Thing(), "w")], [], 3), "fp", 3)
     assert stored.load(other) is None   # a copy would part from the user's object
+
+
+def test_a_new_process_loads_the_stored_programs(tmp_path):
+    """The case stored programs exist for: ``net.init()`` in a new process, whose objects lie
+    at other addresses (``--junk``), loads each net's program and trains as the first
+    process did."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LATTE_DUMP", "LATTE_STORED_PROGRAMS")}
+    env["LATTE_CACHE_DIR"] = str(tmp_path)
+    runs = []
+    for junk in ("0", "5000"):
+        out = subprocess.run([sys.executable, str(WORKER), *WORKER_NETS, "--junk", junk],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append({r["net"]: r for r in map(json.loads, out.stdout.splitlines())})
+    first, second = runs
+    for name in WORKER_NETS:
+        assert not first[name]["stored"] and second[name]["stored"], name
+        for what in ("results", "loop_ir", "key", "groups"):
+            assert second[name][what] == first[name][what], (name, what)
