@@ -24,6 +24,7 @@ import hashlib
 import importlib.metadata
 import os
 import sys
+import sysconfig
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ _BUILTINS = (types.BuiltinFunctionType, np.ufunc, types.MemberDescriptorType,
              types.GetSetDescriptorType, types.WrapperDescriptorType,
              types.MethodDescriptorType, types.ClassMethodDescriptorType)
 _RANDOM = (np.random.Generator, np.random.BitGenerator, np.random.RandomState)
+_STDLIB = os.path.realpath(sysconfig.get_paths()["stdlib"])
 
 
 class Undescribable(Exception):
@@ -261,10 +263,15 @@ def _contents(cell):
 
 
 def _by_name(module: str) -> bool:
-    """Whether a class of ``module`` is encoded by its name alone: latte's (its source is in
-    the key), Python's and numpy's (their versions are)."""
+    """Whether a class or module of ``module`` is encoded by its name alone: latte's (its
+    source is in the key), Python's own and numpy's (their versions are). A user's module
+    that a standard one's name would hide is not Python's."""
     top = module.split(".")[0]
-    return _latte_module(module) or top in sys.stdlib_module_names or top in ("builtins", "numpy")
+    if _latte_module(module) or top in ("builtins", "numpy"):
+        return True
+    where = getattr(sys.modules.get(top), "__file__", None)
+    return top in sys.stdlib_module_names and (where is None
+                                               or os.path.realpath(where).startswith(_STDLIB))
 
 
 def _names(code: types.CodeType) -> set[str]:
