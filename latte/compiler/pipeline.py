@@ -427,12 +427,12 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
 
     ``split_segments`` gives each ensemble's forward and backward its own native segment
     (and zeroing the gradients one of its own), so the runtime can act between ensembles:
-    start gradient reductions over MPI, time each ensemble when profiling. A program compiled
-    before for an equal description of the net is loaded from the disk cache instead
-    (:mod:`latte.compiler.stored`), unless ``LATTE_DUMP`` watches the steps or
-    ``LATTE_STORED_PROGRAMS=0``.
-    The graph is checked first, and what that adds to the net (the copies some activations
-    work on) is part of its description.
+    start gradient reductions over MPI, time each ensemble when profiling.
+
+    The graph is checked first (what that adds to the net, the copies some activations work
+    on, is part of its description); then a program compiled before for an equal description
+    is loaded from the disk cache (:mod:`latte.compiler.stored`) instead of compiling, unless
+    ``LATTE_DUMP`` watches the steps or ``LATTE_STORED_PROGRAMS=0``.
     """
     check_graph(net)
     desc = None
@@ -508,6 +508,7 @@ def _library(program: Program, fp: str, speed: int, verify: Callable[[list[Kerne
         return llvm_ir(segments, index, threads, parts)
 
     return target().library(fp, build_ir, speed=speed)
+
 
 def llvm_ir(segments: list[Segment], index: dict, threads: int,
             parts: int = 1) -> list[Callable[[], str]]:
