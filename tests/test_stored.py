@@ -187,6 +187,23 @@ def test_a_net_the_encoder_cannot_describe_compiles_every_time(compiles, tmp_pat
     assert len(compiles) == 2 and not list(tmp_path.glob("*.program"))
 
 
+def test_a_module_attribute_that_raises_when_read_compiles_every_time(compiles, monkeypatch):
+    """A lazy module whose ``__getattr__`` raises (not ``AttributeError``) for a name the
+    mapping uses: the net is undescribable, and compiles as it always did."""
+    lazy = types.ModuleType("user_lazy")
+    lazy.__getattr__ = lambda name: (_ for _ in ()).throw(ImportError(f"no {name}"))
+    monkeypatch.setattr(sys.modules[__name__], "user_lazy", lazy, raising=False)
+    net = Net(BATCH, num_threads=1, seed=0)
+    x = MemoryDataLayer(net, "x", (8,))
+    dot = Ensemble(net, "dot", DotNeuron, (4,), weights=np.ones((4, 3), np.float32))
+    add_connections(net, x, dot, lambda o: (range(o, o + 3),) if user_lazy else ())  # noqa: F821
+    WeightedSumLoss(net, "loss", dot)
+    with pytest.raises(Undescribable, match="ImportError"):
+        describe(net, (3, False, 1))
+    net.init()
+    assert len(compiles) == 1 and not net.program.stored
+
+
 def test_a_damaged_entry_is_reported_and_compiled_anew(compiles, tmp_path):
     _net()[0].init()
     (entry,) = tmp_path.glob("*.program")

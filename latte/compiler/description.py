@@ -63,8 +63,12 @@ def describe(net, settings: tuple) -> Description:
     walk = _Walk()
     try:
         walk.encode(net)
+    except Undescribable:
+        raise
     except RecursionError:
         raise Undescribable("objects nested deeper than Python's recursion limit") from None
+    except Exception as error:   # an attribute that raises when read (a lazy module's)
+        raise Undescribable(f"reading the net's objects raised {error!r}") from error
     env = sorted((k, v) for k, v in os.environ.items()
                  if k.startswith("LATTE_") and k != "LATTE_CACHE_DIR")
     host = (target().cpu, target().features, sorted(cache_sizes().items()))
