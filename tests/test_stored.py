@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import WeightedSumLoss, fill
+from test_user_neuron import LocalNeuron  # a user's neuron: a window's weighted sum
 
-from latte import Ensemble, Net, Neuron, Param, add_connections
+from latte import Ensemble, Net, add_connections
 from latte.compiler import pipeline, stored
 from latte.compiler.description import Undescribable, describe
 from latte.compiler.program import Program
@@ -29,33 +30,15 @@ WORKER = Path(__file__).with_name("net_worker.py")
 WORKER_NETS = ("lenet", "vgg_block", "mlp")   # convolutions, a fused group, FC layers
 
 
-class DotNeuron(Neuron):
-    weights: Param
-
-    def forward(self):
-        for i in range(len(self.inputs[0])):
-            self.value += self.weights[i] * self.inputs[0][i]
-
-    def backward(self):
-        for i in range(len(self.inputs[0])):
-            self.grad_inputs[0][i] += self.weights[i] * self.grad
-            self.grad_weights[i] += self.inputs[0][i] * self.grad
-
-
-class ScaledDotNeuron(Neuron):
-    weights: Param
+class ScaledNeuron(LocalNeuron):
+    """Another forward body (only described here, never compiled)."""
 
     def forward(self):
         for i in range(len(self.inputs[0])):
             self.value += 2.0 * self.weights[i] * self.inputs[0][i]
 
-    def backward(self):
-        for i in range(len(self.inputs[0])):
-            self.grad_inputs[0][i] += 2.0 * self.weights[i] * self.grad
-            self.grad_weights[i] += 2.0 * self.inputs[0][i] * self.grad
 
-
-def _net(batch=BATCH, width=3, shift=0, neuron=DotNeuron, name="dot", channels=4, seed=0,
+def _net(batch=BATCH, width=3, shift=0, neuron=LocalNeuron, name="dot", channels=4, seed=0,
          extra=None, shared=False):
     """Images through a conv and a ReLU, then a user neuron over a window of each row (of
     the conv's output if ``shared``: the ReLU then works on a copy the compiler adds)."""
@@ -131,7 +114,7 @@ VARIANTS = {
     "batch": dict(batch=BATCH + 2),
     "closure": dict(width=2),
     "another closure value": dict(shift=1),
-    "neuron code": dict(neuron=ScaledDotNeuron),
+    "neuron code": dict(neuron=ScaledNeuron),
     "ensemble name": dict(name="dot2"),
     "shape": dict(channels=3),
     "captured object": dict(extra=object),
@@ -167,7 +150,7 @@ def test_the_key_follows_a_users_module_a_mapping_reads(compiles, monkeypatch):
     def build():
         net = Net(BATCH, num_threads=1, seed=0)
         x = MemoryDataLayer(net, "x", (8,))
-        dot = Ensemble(net, "dot", DotNeuron, (4,), weights=np.ones((4, 3), np.float32))
+        dot = Ensemble(net, "dot", LocalNeuron, (4,), weights=np.ones((4, 3), np.float32))
         add_connections(net, x, dot, lambda o: (range(user_helpers.first(o), user_helpers.first(o) + 3),))  # noqa: F821
         return net
 
@@ -195,7 +178,7 @@ def test_a_module_attribute_that_raises_when_read_compiles_every_time(compiles, 
     monkeypatch.setattr(sys.modules[__name__], "user_lazy", lazy, raising=False)
     net = Net(BATCH, num_threads=1, seed=0)
     x = MemoryDataLayer(net, "x", (8,))
-    dot = Ensemble(net, "dot", DotNeuron, (4,), weights=np.ones((4, 3), np.float32))
+    dot = Ensemble(net, "dot", LocalNeuron, (4,), weights=np.ones((4, 3), np.float32))
     add_connections(net, x, dot, lambda o: (range(o, o + 3),) if user_lazy else ())  # noqa: F821
     WeightedSumLoss(net, "loss", dot)
     with pytest.raises(Undescribable, match="ImportError"):

@@ -31,7 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-import latte
+from latte.compiler.fingerprint import source_digest
+from latte.compiler.jit import target
+from latte.compiler.machine import cache_sizes
 from latte.lang.ensemble import DataEnsemble, FieldData
 
 # what the compiler reads of the Net object itself (the rest is run-time state)
@@ -57,9 +59,6 @@ class Description:
 def describe(net, settings: tuple) -> Description:
     """``net``'s description for compiling with ``settings`` (opt level, segments, threads)
     on this machine; raises :class:`Undescribable`."""
-    from latte.compiler.jit import target  # noqa: PLC0415  (LLVM only once compiling)
-    from latte.compiler.machine import cache_sizes  # noqa: PLC0415
-
     walk = _Walk()
     try:
         walk.encode(net)
@@ -86,22 +85,13 @@ def wanted() -> bool:
     return not os.environ.get("LATTE_DUMP") and os.environ.get("LATTE_STORED_PROGRAMS") != "0"
 
 
-@functools.lru_cache(maxsize=None)
 def latte_digest() -> str:
     """A sha256 of every source file of latte's packages (the compiler, the language, the
     stdlib): any change to them changes every key."""
-    h = hashlib.sha256()
-    for root in sorted({Path(p) for p in latte.__path__} | {Path(_stdlib_path())}):
-        for path in sorted(root.rglob("*.py")):
-            h.update(f"{root.name}/{path.relative_to(root).as_posix()}".encode() + b"\0")
-            h.update(path.read_bytes() + b"\0")
-    return h.hexdigest()
+    import latte.stdlib  # noqa: PLC0415  (the stdlib imports latte: not while latte loads)
 
-
-def _stdlib_path() -> str:
-    import latte.stdlib  # noqa: PLC0415
-
-    return latte.stdlib.__path__[0]
+    return source_digest(tuple(sorted({Path(p) for p in latte.__path__}
+                                      | {Path(p) for p in latte.stdlib.__path__})))
 
 
 @functools.lru_cache(maxsize=None)
@@ -216,9 +206,10 @@ class _Walk:
             out.append(f"function:{fn.__module__}.{fn.__qualname__}")
             self._code(fn.__code__)
             names = _names(fn.__code__)
-            self.encode(tuple((n, fn.__globals__[n]) for n in sorted(names & fn.__globals__.keys())))
-            for n in sorted(names & fn.__globals__.keys()):
-                self._module_attributes(fn.__globals__[n], names)
+            named = tuple((n, fn.__globals__[n]) for n in sorted(names & fn.__globals__.keys()))
+            self.encode(named)
+            for _, value in named:
+                self._module_attributes(value, names)
         cells = tuple(_contents(c) for c in fn.__closure__ or ())
         self.encode((cells, fn.__defaults__, fn.__kwdefaults__))
 

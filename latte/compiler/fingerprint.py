@@ -45,13 +45,20 @@ def structure(node, labels: dict[Buffer, str]) -> str:
     return "\n".join(out)
 
 
-@functools.lru_cache(maxsize=None)
 def compiler_digest() -> str:
     """A sha256 of the compiler's source files: any change to it changes every key."""
+    return source_digest((_COMPILER,))
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest(roots: tuple[Path, ...]) -> str:
+    """A sha256 of every Python source file under ``roots``, each named by its root's name
+    and its path there."""
     h = hashlib.sha256()
-    for path in sorted(_COMPILER.rglob("*.py")):
-        h.update(path.relative_to(_COMPILER).as_posix().encode() + b"\0")
-        h.update(path.read_bytes() + b"\0")
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            h.update(f"{root.name}/{path.relative_to(root).as_posix()}".encode() + b"\0")
+            h.update(path.read_bytes() + b"\0")
     return h.hexdigest()
 
 

@@ -312,8 +312,8 @@ def _add_small_windows(rng, net, prefix: str, case: Case, ens: list, readers: di
     2x2 tiles for a Winograd product of its own), a same-size 3x3 convolution into 8-10
     channels and, half of the time, a ReLU and another one: at level 2+, where the batch's
     items have enough tiles together, their products (forward, input and weight gradients)
-    are shared across items. Drawn from a
-    stream of its own: the case's other ensembles stay as they were."""
+    are shared across items. Drawn from a stream of its own: the case's other ensembles stay
+    as they were."""
     if rng.random() >= 1 / 6:
         return
     shape = (int(rng.integers(8, 12)), int(rng.integers(5, 10)), int(rng.integers(5, 10)))

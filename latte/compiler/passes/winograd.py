@@ -220,10 +220,12 @@ def _match(nest: Loop, weight_grad: bool = False) -> Conv | None:
         if src is None or not isinstance(other, Load):
             continue
         guard, pad, load, (c, ky, kx) = src
-        shaped = (_index_vars(aug.target) <= {o.var, c.var, ky, kx}
-                  and _is_output(other.ref, nest, o, y, x, tile, windows)) if weight_grad else (
-            _index_vars(other.ref) <= windows | {o.var}
-            and _is_output(aug.target, nest, o, y, x, tile, windows))
+        if weight_grad:   # other: the output gradient; the target: the weights
+            shaped = (_index_vars(aug.target) <= {o.var, c.var, ky, kx}
+                      and _is_output(other.ref, nest, o, y, x, tile, windows))
+        else:             # other: the weights; the target: the output
+            shaped = (_index_vars(other.ref) <= windows | {o.var}
+                      and _is_output(aug.target, nest, o, y, x, tile, windows))
         if shaped and aug.target.buffer not in (load.ref.buffer, other.ref.buffer):
             return Conv(nest, tile, o, y, x, c, ky, kx, aug.target, other.ref, load.ref, guard, pad)
     return None
