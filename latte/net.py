@@ -14,6 +14,7 @@ from latte.aligned import aligned_zeros
 from latte.compiler import compile_net
 from latte.compiler.blas import pin_other_blas, set_blas_threads
 from latte.compiler.jit import openmp
+from latte.compiler.machine import usable_cores
 from latte.compiler.update import ParamBuffers, UpdateRule
 from latte.lang import DataEnsemble, Ensemble, Graph, NormalizationEnsemble, Phase
 from latte.lang.ensemble import published, unpublished
@@ -96,7 +97,7 @@ class Net(Graph):
         """Compile the net (idempotent)."""
         if self.program is not None:
             return
-        threads = self.num_threads or os.cpu_count() or 1
+        threads = self.num_threads or usable_cores()
         if threads > 1 and self.opt_level >= 2 and openmp() is None:
             warnings.warn("libgomp not found (it comes with gcc): running on one thread", stacklevel=2)
             threads = 1

@@ -19,6 +19,7 @@ import pytest
 from helpers import WeightedSumLoss
 
 from latte import Ensemble, Net, Neuron, add_connections
+from latte.compiler.machine import usable_cores
 from latte.errors import LatteError
 from latte.fuzz.harness import check_cases
 from latte.fuzz.invalid import KINDS, invalid_net
@@ -128,7 +129,7 @@ def pytest_generate_tests(metafunc):
 def checked(request):
     """The mismatches of every selected case, computed in worker processes ahead of the
     tests that ask for them."""
-    pool = ProcessPoolExecutor(os.cpu_count() or 1, mp_context=multiprocessing.get_context("spawn"))
+    pool = ProcessPoolExecutor(usable_cores(), mp_context=multiprocessing.get_context("spawn"))
     selected = [item.callspec.params["case"] for item in request.session.items
                 if "case" in getattr(getattr(item, "callspec", None), "params", {})]
     futures = {s: pool.submit(check_cases, [s], level=_level(s), loss=_loss, derived=DERIVED)

@@ -3,6 +3,8 @@ loops, across thread counts, bitwise repeatable, and the IR the papers describe.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from helpers import WeightedSumLoss, check_gradients, fill
@@ -53,6 +55,18 @@ def reference():
 def test_optimized_matches_plain_loops(reference, opt_level, threads):
     for got, want in zip(_run(opt_level, threads), reference):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+
+
+def test_threads_default_to_the_cores_the_process_may_run_on():
+    """Without ``num_threads`` a net runs one thread per core of its CPU affinity (``taskset``,
+    a container's CPU set), not one per core of the machine."""
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        net, _ = _conv_net(2, None)
+    finally:
+        os.sched_setaffinity(0, cores)
+    assert net.program.buffers.threads == 1
 
 
 def test_one_and_two_threads_agree():

@@ -26,6 +26,7 @@ import llvmlite.binding as llvm
 
 from latte.compiler import cache
 from latte.compiler.blas import blas
+from latte.compiler.machine import usable_cores
 
 
 @functools.lru_cache(maxsize=None)
@@ -192,7 +193,7 @@ def compile_jobs() -> int:
         return int(jobs)
     if not hasattr(os, "fork") or any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK")):
         return 1
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return usable_cores()
 
 
 class _Child:

@@ -10,6 +10,7 @@ import functools
 import hashlib
 import json
 import math
+import os
 import platform
 import time
 from collections.abc import Callable
@@ -44,6 +45,12 @@ def cache_sizes() -> dict[int, int]:
         except (OSError, ValueError):
             continue
     return sizes
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity: fewer than the machine has under
+    ``taskset`` or a container's CPU set)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @functools.lru_cache(maxsize=None)
