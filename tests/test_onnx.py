@@ -192,9 +192,12 @@ def test_imported_parameters_and_state_are_the_models(tmp_path):
 
 # ---------------------------------------------------------------- hand-built graphs
 def make_model(nodes, inputs, outputs, initializers=(), opset: int = 17):
+    """A model at the oldest IR version its opset allows (onnx's newest can be one the
+    installed onnxruntime does not read yet)."""
     graph = helper.make_graph(nodes, "g", inputs, outputs,
                               [numpy_helper.from_array(np.asarray(v), k) for k, v in initializers])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    opsets = [helper.make_opsetid("", opset)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets))
 
 
 def value(name: str, shape) -> object:
