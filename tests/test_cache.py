@@ -29,17 +29,20 @@ from latte.compiler.ir import (
     Block,
     Buffer,
     Const,
+    Gemm,
     Kernel,
     Load,
     Loc,
     Loop,
     LoopKind,
     Ref,
+    walk,
 )
 from latte.compiler.jit import target
 from latte.compiler.passes.parallel import parallel
 from latte.compiler.pipeline import llvm_ir
 from latte.compiler.program import Segment
+from latte.errors import CompileError
 from latte.stdlib import FullyConnectedLayer, MemoryDataLayer, ReLULayer, SoftmaxLossLayer
 
 WORKER = Path(__file__).with_name("net_worker.py")
@@ -313,6 +316,7 @@ def test_repeated_layers_compile_once_and_match_level_0(tmp_path, monkeypatch):
 def test_a_hit_skips_verifying_what_a_miss_verified(tmp_path, monkeypatch):
     monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("LATTE_VERIFY", raising=False)
+    monkeypatch.setenv("LATTE_COMPILE_JOBS", "1")   # the verifier in this process, counted
     calls = []
     monkeypatch.setattr(pipeline, "verify_kernel", lambda k: calls.append(k))
     miss, _ = _repeated(3)
@@ -322,6 +326,29 @@ def test_a_hit_skips_verifying_what_a_miss_verified(tmp_path, monkeypatch):
     final = {id(k) for s in miss.program.segments() for k in s.kernels}
     assert final <= {id(k) for k in missed}   # a miss verifies the kernels it compiles
     assert len(calls) < len(missed)   # a hit verifies the synthesized kernels alone
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_kernels_failing_the_verifier_as_they_compile_stop_init_and_no_code_is_kept(
+        tmp_path, monkeypatch, jobs):
+    """The final kernels are verified while their code compiles (in a forked child with two
+    jobs): a failure raises the verifier's error here, and their object code is not cached;
+    the program stored meanwhile fails the same way when a later init loads it."""
+    monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LATTE_VERIFY", raising=False)
+    monkeypatch.setenv("LATTE_COMPILE_JOBS", jobs)
+    verify = pipeline.verify_kernel
+
+    def refuse_gemms(kernel):   # GEMMs exist only after matching: the final kernels fail
+        if any(isinstance(n, Gemm) for n in walk(kernel.body)):
+            raise CompileError(f"{kernel.name}: refused")
+    monkeypatch.setattr(pipeline, "verify_kernel", refuse_gemms)
+    for _ in range(2):
+        with pytest.raises(CompileError, match="refused"):
+            _repeated(3)
+    monkeypatch.setattr(pipeline, "verify_kernel", verify)
+    net, _ = _repeated(3)
+    assert net.program.stored and not net.program.library.from_cache
 
 
 def _outputs(net, top) -> list[np.ndarray]:

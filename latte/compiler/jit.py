@@ -111,18 +111,25 @@ class Target:
                             lambda _n: [lambda: ir_text])
 
     def library(self, fingerprint: str, build_ir: Callable[[int], list[Callable[[], str]]],
-                speed: int = 3) -> "CodeLibrary":
+                speed: int = 3, check: Callable[[], None] | None = None) -> "CodeLibrary":
         """The code of the program that ``fingerprint`` identifies (a hash of everything its
         IR is made from): the cached objects if a valid entry exists (then the IR is never
         built), else the modules ``build_ir(n)`` returns (at most ``n`` functions, each
         building one module's LLVM IR; together they define every function) built and
         compiled in parallel, one per core, and their objects cached as one entry.
-        ``speed`` is LLVM's optimization level (part of the key)."""
+        ``speed`` is LLVM's optimization level (part of the key). ``check`` (raising if the
+        program must not run) runs alongside the compile; nothing is cached or returned
+        unless it passes."""
         key = self.cache_key(f"{fingerprint}/O{speed}")
         data = cache.load(key)
         if data is not None:
             return CodeLibrary(self._engines(_split(data)), True, key, None, speed)
-        digests, objects = self._compile_all(build_ir(compile_jobs()), speed)
+        checking = in_background(check)
+        try:
+            digests, objects = self._compile_all(build_ir(compile_jobs()), speed)
+            checking.wait()
+        finally:
+            checking.cancel()
         cache.store(key, _join(objects))
         return CodeLibrary(self._engines(objects), False, key,
                            hashlib.sha256(b"".join(digests)).hexdigest(), speed)
@@ -196,6 +203,28 @@ def compile_jobs() -> int:
     return usable_cores()
 
 
+def in_background(work: Callable[[], None] | None) -> "_Child | _Done":
+    """``work`` started in a forked child where programs compile in parallel (else run here
+    and now; None: nothing to do). ``wait()`` returns once it has run, and raises its error:
+    a failed child's work runs again here, so the error and its traceback are this
+    process's; ``cancel()`` stops it (once waited for, a no-op)."""
+    if work is None or compile_jobs() == 1:
+        if work is not None:
+            work()
+        return _Done()
+    return _Child(lambda: work() or b"done")
+
+
+class _Done:
+    """Work already done (:func:`in_background` without a child)."""
+
+    def wait(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        pass
+
+
 class _Child:
     """``work`` run in a forked child, its bytes passed back through a temporary file."""
 
@@ -222,6 +251,10 @@ class _Child:
         self.pid = None
         data = Path(self.path).read_bytes() if status == 0 else b""
         return data if data else self.work()
+
+    def wait(self) -> None:
+        """Like :meth:`result`, for work whose bytes say only that it ran."""
+        self.result()
 
     def cancel(self) -> None:
         """Stop the child if it still runs (this process failed or was interrupted) and

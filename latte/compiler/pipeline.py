@@ -31,7 +31,7 @@ from latte.compiler.fusion import (
 )
 from latte.compiler.graph_checks import check_graph
 from latte.compiler.ir import Block, Kernel, Ref, accesses, walk
-from latte.compiler.jit import target
+from latte.compiler.jit import in_background, target
 from latte.compiler.joins import join_in_place
 from latte.compiler.machine import cache_sizes, vector_registers
 from latte.compiler.mapping import analyze_connections
@@ -453,10 +453,15 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
     # compiles it in half the time, and nothing at that level is meant to be fast
     speed = 1 if opt_level == 0 else 3
     fp = fingerprint(program.segments(), program.buffer_index(), program.buffers.threads)
-    program.library = _library(program, fp, speed, verify)
-    if desc is not None:
-        program.transient_layout   # noqa: B018  (placed now, the stored program holds it)
-        stored.store(desc, program, fp, speed)
+    program.transient_layout   # noqa: B018  (placed now, the stored program holds it)
+    # stored while LLVM compiles (a program whose kernels fail the verifier may be stored:
+    # loading it compiles its code, which verifies them again and fails as here)
+    storing = in_background(None if desc is None else lambda: stored.store(desc, program, fp, speed))
+    try:
+        program.library = _library(program, fp, speed, verify)
+        storing.wait()
+    finally:
+        storing.cancel()
     return program
 
 
@@ -499,15 +504,12 @@ def _library(program: Program, fp: str, speed: int, verify: Callable[[list[Kerne
     """``program``'s native code at LLVM speed ``speed``: codegen puts every segment into
     LLVM modules, then O3 + JIT; the disk cache is looked up by the program's fingerprint
     ``fp`` first, and on a hit the LLVM IR is never built. The segments' kernels are verified
-    before the IR is built: a hit holds code made from the same kernels (the fingerprint
-    covers them and the verifier's source), which passed then."""
+    while their code compiles, and the code is neither cached nor run unless they pass: a
+    hit holds code made from the same kernels (the fingerprint covers them and the
+    verifier's source), which passed then."""
     index, segments, threads = program.buffer_index(), program.segments(), program.buffers.threads
-
-    def build_ir(parts: int) -> list[Callable[[], str]]:
-        verify([k for seg in segments for k in seg.kernels])
-        return llvm_ir(segments, index, threads, parts)
-
-    return target().library(fp, build_ir, speed=speed)
+    return target().library(fp, lambda parts: llvm_ir(segments, index, threads, parts), speed=speed,
+                            check=lambda: verify([k for seg in segments for k in seg.kernels]))
 
 
 def llvm_ir(segments: list[Segment], index: dict, threads: int,
