@@ -117,7 +117,7 @@ class ModuleBuilder:
     def _kernel(self, kernel: Kernel, bufs: list[Buffer]) -> ir.Function:
         """The function running ``kernel`` over the pointers ``bufs``: one already emitted
         for a kernel of the same :func:`shape` or a new one."""
-        key = shape(kernel, bufs, self.check_bounds)
+        key = shape(kernel, self.check_bounds)
         fn = self._shared.get(key)
         if fn is None:
             self._kernels += 1
@@ -161,14 +161,20 @@ def kernel_buffers(kernel: Kernel) -> list[Buffer]:
     return list(dict.fromkeys(a.buffer for a in accesses(kernel.body)))
 
 
-def shape(kernel: Kernel, bufs: list[Buffer], check_bounds: bool) -> str:
-    """What ``kernel``'s function is made from: its IR with each buffer as its argument
-    position and element type. Kernels of one shape share a function. With bounds checks
-    the kernel's name and its buffers' names and sizes are part of the code, hence of the
-    shape."""
+def shape(kernel: Kernel, check_bounds: bool) -> str:
+    """What ``kernel``'s function is made from: its IR with each of its buffers as its
+    argument position and element type. Kernels of one shape share a function. With bounds
+    checks the kernel's name and its buffers' names and sizes are part of the code, hence of
+    the shape. Remembered by the kernel (:func:`split` computes it for every kernel before
+    the modules are built in forked children)."""
+    if not check_bounds and "_shape" in kernel.__dict__:
+        return kernel.__dict__["_shape"]
     detail = (lambda b: (b.dtype, b.size, b.name)) if check_bounds else (lambda b: b.dtype)
-    key = structure(kernel.body, {b: f"{i}:{detail(b)}" for i, b in enumerate(bufs)})
-    return f"{kernel.name}\n{key}" if check_bounds else key
+    key = structure(kernel.body, {b: f"{i}:{detail(b)}" for i, b in enumerate(kernel_buffers(kernel))})
+    if check_bounds:
+        return f"{kernel.name}\n{key}"
+    object.__setattr__(kernel, "_shape", key)
+    return key
 
 
 def split(segments: list, parts: int) -> list[list]:
@@ -181,7 +187,7 @@ def split(segments: list, parts: int) -> list[list]:
     checks' globals: one group."""
     if parts <= 1 or check_bounds():
         return [list(segments)]
-    shapes = [{shape(k, kernel_buffers(k), False) for k in seg.kernels} for seg in segments]
+    shapes = [{shape(k, False) for k in seg.kernels} for seg in segments]
     group = [-1] * len(segments)   # -1: not placed yet
 
     def cost(where: list[int]) -> tuple[int, int]:

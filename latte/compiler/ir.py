@@ -19,7 +19,7 @@ class Node:
 
     def __getstate__(self) -> dict:
         """The fields, without what a node remembers of itself (``_children``, ``_accesses``,
-        ``_offset``: remade when asked for), for a stored program."""
+        ``_offset``, a kernel's ``_shape``: remade when asked for), for a stored program."""
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
