@@ -328,6 +328,23 @@ def test_a_hit_skips_verifying_what_a_miss_verified(tmp_path, monkeypatch):
     assert len(calls) < len(missed)   # a hit verifies the synthesized kernels alone
 
 
+def test_segments_run_as_pieces_with_the_same_results(tmp_path, monkeypatch):
+    """A segment cut into pieces (each kernel its own, ``PIECE_COST`` at 1) exports each
+    piece, which the two modules share out, and trains bit for bit as it does whole."""
+    monkeypatch.setenv("LATTE_COMPILE_JOBS", "2")
+    results, whole = {}, codegen.PIECE_COST
+    for cost in (whole, 1):
+        monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path / str(cost)))   # code of its own
+        monkeypatch.setattr(codegen, "PIECE_COST", cost)
+        net, top = _repeated(3)
+        results[cost] = _outputs(net, top)
+        cut = [p for s in net.program.segments() for p in codegen.pieces(s)]
+        assert all(net.program.library.address(p.name) for p in cut)
+    assert len(cut) > len(net.program.segments())
+    for got, want in zip(results[1], results[whole]):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("jobs", ["1", "2"])
 def test_kernels_failing_the_verifier_as_they_compile_stop_init_and_no_code_is_kept(
         tmp_path, monkeypatch, jobs):

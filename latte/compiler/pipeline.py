@@ -18,7 +18,7 @@ from typing import Callable
 
 from latte.compiler import schedule, stored
 from latte.compiler.buffers import BufferPlan, StepBuffers
-from latte.compiler.codegen import ModuleBuilder, split
+from latte.compiler.codegen import ModuleBuilder, Piece, pieces, split
 from latte.compiler.description import Undescribable, describe, wanted
 from latte.compiler.fingerprint import fingerprint
 from latte.compiler.fusion import (
@@ -514,13 +514,15 @@ def _library(program: Program, fp: str, speed: int, verify: Callable[[list[Kerne
 
 def llvm_ir(segments: list[Segment], index: dict, threads: int,
             parts: int = 1) -> list[Callable[[], str]]:
-    """Functions building the LLVM IR of ``segments`` over the buffer table ``index`` as at
-    most ``parts`` modules of about equal work (``LATTE_DUMP=llvm`` prints them)."""
-    def module(group: list[Segment]) -> str:
+    """Functions building the LLVM IR of ``segments`` (each as its :func:`pieces`) over the
+    buffer table ``index`` as at most ``parts`` modules of about equal work
+    (``LATTE_DUMP=llvm`` prints them)."""
+    def module(group: list[Piece]) -> str:
         mb = ModuleBuilder(index, threads)
-        for seg in group:
-            mb.add_segment(seg.name, list(seg.kernels))
+        for piece in group:
+            mb.add_segment(piece.name, list(piece.kernels))
         if "llvm" in os.environ.get("LATTE_DUMP", "").split(","):
             print(f"==== LLVM IR\n{mb.module}", file=sys.stderr, flush=True)
         return str(mb.module)
-    return [lambda g=group: module(g) for group in split(segments, parts)]
+    return [lambda g=group: module(g)
+            for group in split([p for seg in segments for p in pieces(seg)], parts)]
