@@ -19,7 +19,7 @@ import pytest
 from helpers import assert_scaled_close, fill, fill_labels, set_biases
 
 from latte import Net
-from latte.compiler import cache, codegen, jit, pipeline
+from latte.compiler import cache, codegen, jit, pipeline, schedule
 from latte.compiler.fingerprint import fingerprint
 from latte.compiler.ir import (
     Affine,
@@ -328,19 +328,18 @@ def test_a_hit_skips_verifying_what_a_miss_verified(tmp_path, monkeypatch):
     assert len(calls) < len(missed)   # a hit verifies the synthesized kernels alone
 
 
-def test_segments_run_as_pieces_with_the_same_results(tmp_path, monkeypatch):
-    """A segment cut into pieces (each kernel its own, ``PIECE_COST`` at 1) exports each
-    piece, which the two modules share out, and trains bit for bit as it does whole."""
+def test_segments_cut_into_pieces_train_as_whole_ones(tmp_path, monkeypatch):
+    """Segments cut into pieces (each kernel its own, ``PIECE_COST`` at 1), which the two
+    modules share out, train bit for bit as the whole segments."""
     monkeypatch.setenv("LATTE_COMPILE_JOBS", "2")
-    results, whole = {}, codegen.PIECE_COST
+    results, whole = {}, schedule.PIECE_COST
     for cost in (whole, 1):
         monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path / str(cost)))   # code of its own
-        monkeypatch.setattr(codegen, "PIECE_COST", cost)
+        monkeypatch.setattr(schedule, "PIECE_COST", cost)
         net, top = _repeated(3)
         results[cost] = _outputs(net, top)
-        cut = [p for s in net.program.segments() for p in codegen.pieces(s)]
-        assert all(net.program.library.address(p.name) for p in cut)
-    assert len(cut) > len(net.program.segments())
+    segments = net.program.segments()
+    assert all(len(s.kernels) == 1 for s in segments) and "bwd1__p1" in {s.name for s in segments}
     for got, want in zip(results[1], results[whole]):
         np.testing.assert_array_equal(got, want)
 

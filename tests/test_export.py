@@ -15,7 +15,7 @@ import pytest
 
 from latte import Net
 from latte.cli import main
-from latte.compiler import Segment, codegen, flat_steps
+from latte.compiler import Segment, flat_steps, schedule
 from latte.errors import ExportError
 from latte.export import export
 from latte.lang import NormalizationEnsemble
@@ -179,19 +179,18 @@ def test_recurrent_net_runs_its_time_loop_in_c(tmp_path, program, threads):
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
-def test_segments_in_pieces_run_in_order_in_c(tmp_path, program, monkeypatch):
-    """Every kernel its own piece (``codegen.PIECE_COST`` at 1): the driver calls each
-    segment's pieces in order, in the time loop too, and predicts as the net."""
+def test_segments_cut_into_pieces_run_in_order_in_c(tmp_path, program, monkeypatch):
+    """Every kernel a segment of its own (``schedule.PIECE_COST`` at 1): the driver runs
+    them in order, in the time loop too, and predicts as the net."""
     monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path / "cache"))   # code of its own
-    monkeypatch.setattr(codegen, "PIECE_COST", 1)
+    monkeypatch.setattr(schedule, "PIECE_COST", 1)
     steps = 3
     net = Net(4, time_steps=steps, num_threads=1, seed=2)
     data = MemoryDataLayer(net, "data", (3,))
     FullyConnectedLayer("out", net, ReLULayer("relu", net, LSTMLayer("lstm", net, data, 6)), 2)
     model = tmp_path / "model"
     export(net, model)
-    assert any(len(codegen.pieces(s)) > 1 for s in flat_steps(net.program.test)
-               if isinstance(s, Segment))
+    assert any("__p" in s.name for s in flat_steps(net.program.test) if isinstance(s, Segment))
     x = np.random.default_rng(3).standard_normal((5, steps, 3)).astype(np.float32)
     expected = net.predict(x).reshape(5, -1)
     np.testing.assert_array_equal(_predict_in_c(program, model, x.reshape(5, -1), steps * 2),

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import NamedTuple
 
 from llvmlite import ir
 
@@ -176,39 +175,6 @@ def shape(kernel: Kernel, check_bounds: bool) -> str:
         return f"{kernel.name}\n{key}"
     object.__setattr__(kernel, "_shape", key)
     return key
-
-
-#: A segment whose kernels cost more than this to compile (their shapes' IR length, as
-#: :func:`split` weighs them; about half a second of LLVM's time) runs as consecutive
-#: pieces, each an exported function that :func:`split` places on its own: one segment (a
-#: whole backward pass) no longer bounds how evenly LLVM's work divides among the cores.
-PIECE_COST = 50_000
-
-
-class Piece(NamedTuple):
-    """One exported function of a segment: ``kernels``, run in order."""
-
-    name: str
-    kernels: tuple[Kernel, ...]
-
-
-def pieces(segment) -> list[Piece]:
-    """The functions that run ``segment`` (a name and kernels), in order: the segment's name
-    for the first, ``name__p1``, ``name__p2``, ... (C identifiers, for ``latte export``) for
-    the rest. A new piece starts where the kernels' shapes not yet in the current one would
-    take it past :data:`PIECE_COST`."""
-    out: list[list[Kernel]] = [[]]
-    held: set[str] = set()
-    for kernel in segment.kernels:
-        key = shape(kernel, False)
-        added = 0 if key in held else len(key)
-        if out[-1] and sum(map(len, held)) + added > PIECE_COST:
-            out.append([])
-            held = set()
-        out[-1].append(kernel)
-        held.add(key)
-    return [Piece(segment.name if i == 0 else f"{segment.name}__p{i}", tuple(run))
-            for i, run in enumerate(out)]
 
 
 def split(segments: list, parts: int) -> list[list]:

@@ -18,7 +18,7 @@ from typing import Callable
 
 from latte.compiler import schedule, stored
 from latte.compiler.buffers import BufferPlan, StepBuffers
-from latte.compiler.codegen import ModuleBuilder, Piece, pieces, split
+from latte.compiler.codegen import ModuleBuilder, split
 from latte.compiler.description import Undescribable, describe, wanted
 from latte.compiler.fingerprint import fingerprint
 from latte.compiler.fusion import (
@@ -347,6 +347,12 @@ def _coalesce_loops(c: Compilation) -> None:
         plan.kernels = {phase: kernel(k) for phase, k in plan.kernels.items()}
 
 
+def _cut_segments(c: Compilation) -> None:
+    """Every phase's segments as :func:`~latte.compiler.schedule.cut` leaves them."""
+    p = c.program
+    p.forward, p.backward, p.test = (schedule.cut(s) for s in (p.forward, p.backward, p.test))
+
+
 STEPS = (
     Step("analyze", 0, _analyze, per_kernel=False),
     Step("synthesize", 0, _synthesize, per_kernel=False),
@@ -394,12 +400,15 @@ STEPS = (
     # nested loops that walk every buffer as one run: one loop LLVM vectorizes whole (after
     # the test forward's line buffers, which read the rows of the nests)
     Step("coalesce_loops", 1, _coalesce_loops, per_kernel=False),
+    # segments that cost much to compile: consecutive pieces, compiled side by side
+    Step("cut_segments", 0, _cut_segments, per_kernel=False),
 )
 
 
-# the kernels are verified after these steps (what the user wrote, what runs); with
-# LATTE_VERIFY=steps after every step, which names the step that broke an invariant
-VERIFIED_AFTER = ("synthesize", "coalesce_loops")
+# the kernels are verified after these steps (what the user wrote), and the final ones as
+# their code is built (:func:`_library`); with LATTE_VERIFY=steps after every step, which
+# names the step that broke an invariant
+VERIFIED_AFTER = ("synthesize",)
 
 
 def _grad_owners(c: Compilation) -> dict:
@@ -514,15 +523,13 @@ def _library(program: Program, fp: str, speed: int, verify: Callable[[list[Kerne
 
 def llvm_ir(segments: list[Segment], index: dict, threads: int,
             parts: int = 1) -> list[Callable[[], str]]:
-    """Functions building the LLVM IR of ``segments`` (each as its :func:`pieces`) over the
-    buffer table ``index`` as at most ``parts`` modules of about equal work
-    (``LATTE_DUMP=llvm`` prints them)."""
-    def module(group: list[Piece]) -> str:
+    """Functions building the LLVM IR of ``segments`` over the buffer table ``index`` as at
+    most ``parts`` modules of about equal work (``LATTE_DUMP=llvm`` prints them)."""
+    def module(group: list[Segment]) -> str:
         mb = ModuleBuilder(index, threads)
-        for piece in group:
-            mb.add_segment(piece.name, list(piece.kernels))
+        for seg in group:
+            mb.add_segment(seg.name, list(seg.kernels))
         if "llvm" in os.environ.get("LATTE_DUMP", "").split(","):
             print(f"==== LLVM IR\n{mb.module}", file=sys.stderr, flush=True)
         return str(mb.module)
-    return [lambda g=group: module(g)
-            for group in split([p for seg in segments for p in pieces(seg)], parts)]
+    return [lambda g=group: module(g) for group in split(segments, parts)]

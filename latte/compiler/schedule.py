@@ -4,7 +4,10 @@ when it first runs: ``latte.compiler.update``.)"""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from latte.compiler.buffers import BufferPlan, storage_owner
+from latte.compiler.codegen import shape
 from latte.compiler.ir import Block, Kernel, accesses
 from latte.compiler.passes import drop_stores, localize
 from latte.compiler.program import AFTER_LOOP, BEFORE_LOOP, HostStep, Segment, TimeSteps
@@ -193,3 +196,44 @@ def zero_grads(net, bufs: BufferPlan, skip) -> Kernel:
     body = Block(tuple(zero_loop(g, f"_z{i}") for i, g in enumerate(grads)))
     return Kernel("zero_grads", body, None, "backward")
 
+
+
+#: A segment whose kernels cost more than this to compile (their shapes' IR length, as
+#: :func:`~latte.compiler.codegen.split` weighs modules; about half a second of LLVM's
+#: time) runs as consecutive pieces, which ``split`` can place in modules apart: one
+#: segment (a whole backward pass) no longer bounds how evenly LLVM's work divides among
+#: the cores.
+PIECE_COST = 50_000
+
+
+def cut(steps: list) -> list:
+    """``steps`` with each segment (time loops' too) as its pieces, in order: the segment
+    itself, or consecutive runs of its kernels named ``name``, ``name__p1``, ... (C
+    identifiers, for ``latte export``). A new piece starts where a kernel of a shape not yet
+    in the current one would take it past :data:`PIECE_COST`."""
+    out = []
+    for step in steps:
+        if isinstance(step, TimeSteps):
+            out.append(replace(step, steps=tuple(cut(list(step.steps)))))
+        elif isinstance(step, Segment):
+            out.extend(_pieces(step))
+        else:
+            out.append(step)
+    return out
+
+
+def _pieces(segment: Segment) -> list[Segment]:
+    runs: list[list[Kernel]] = [[]]
+    held: set[str] = set()
+    for kernel in segment.kernels:
+        key = shape(kernel, False)
+        added = 0 if key in held else len(key)
+        if added and runs[-1] and sum(map(len, held)) + added > PIECE_COST:
+            runs.append([])
+            held = set()
+        runs[-1].append(kernel)
+        held.add(key)
+    if len(runs) == 1:
+        return [segment]
+    return [Segment(segment.name if i == 0 else f"{segment.name}__p{i}", tuple(run))
+            for i, run in enumerate(runs)]

@@ -19,7 +19,6 @@ import numpy as np
 
 from latte.aligned import ALIGN
 from latte.compiler import HostStep, Segment, TimeSteps, flat_steps
-from latte.compiler.codegen import pieces
 from latte.compiler.ir import Buffer, accesses
 from latte.compiler.jit import target
 from latte.compiler.pipeline import llvm_ir
@@ -115,18 +114,12 @@ def model_image(net) -> ModelImage:
     threads = bufs.threads
     objects = target().objects(program.library,
                                lambda parts: llvm_ir(program.segments(), index, threads, parts))
-    order = tuple(step for s in plan.steps if not isinstance(s, HostStep)
-                  for step in ([_loop(s, bufs.time_steps, memory, index)]
-                               if isinstance(s, TimeSteps) else _names([s])))
-    return ModelImage(tuple(objects), _names(segments), order, tuple(slots),
+    order = tuple(_loop(s, bufs.time_steps, memory, index) if isinstance(s, TimeSteps)
+                  else s.name for s in plan.steps if not isinstance(s, HostStep))
+    return ModelImage(tuple(objects), tuple(s.name for s in segments), order, tuple(slots),
                       len(index), arena, bytes(blob), net.batch_size,
                       _samples(net, plan.input, index), _samples(net, plan.output, index),
                       threads, 1 if program.opt_level >= 2 else threads)
-
-
-def _names(segments) -> tuple[str, ...]:
-    """The native functions that run ``segments``, in order (each segment's pieces)."""
-    return tuple(p.name for s in segments for p in pieces(s))
 
 
 def _loop(loop: TimeSteps, steps: int, memory, index: dict) -> StepLoop:
@@ -136,7 +129,7 @@ def _loop(loop: TimeSteps, steps: int, memory, index: dict) -> StepLoop:
         raise ExportError(f"cannot export: time loop {loop.name!r} runs "
                           f"{type(inner[0]).__name__ if inner else 'backward'} steps, which "
                           "the C driver does not run")
-    return StepLoop(steps, _names(loop.steps),
+    return StepLoop(steps, tuple(s.name for s in loop.steps),
                     tuple((index[view], index[base], memory[view].nbytes, shift)
                           for view, base, shift in loop.views))
 

@@ -6,7 +6,9 @@ parameters and inputs, and compares forward values, every ensemble's gradient, e
 parameter gradient and the parameters after each of three SGD steps; level 0 against the
 reference one step at a time (from level 0's parameters), skipping entries that hang on a
 near-tie; both comparisons allow each entry the difference that rounding alone makes to it
-(see :func:`_reference_step`). Nets compile with ``LATTE_CHECK_BOUNDS=1``.
+(see :func:`_reference_step`). Nets compile with ``LATTE_CHECK_BOUNDS=1``; a third of the
+cases compile the optimized net with each kernel a segment of its own (the pieces that
+``schedule.cut`` makes of costly segments).
 Mismatches are returned as :class:`Mismatch` records naming their case's seed.
 
 Each entry may differ by a tolerance relative to its array's scale, plus the larger of two
@@ -21,6 +23,7 @@ rounding, which the window does not model).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -29,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from latte import Net, Phase
-from latte.compiler import stored
+from latte.compiler import schedule, stored
 from latte.compiler.description import describe
 from latte.compiler.fingerprint import fingerprint
 from latte.compiler.graph_checks import check_graph
@@ -174,7 +177,8 @@ def _check(seeds: list[int], level: int | None, reference: bool, loss: Callable 
     base, cases = build(seeds, cfg, 0, loss, derived)
     timings["compile0"] = timings.get("compile0", 0.0) + time.process_time() - start
     start = time.process_time()
-    opt, _ = build(seeds, cfg, level, loss, derived)
+    with _pieces(1 if seeds[0] % 3 == 0 else schedule.PIECE_COST):
+        opt, _ = build(seeds, cfg, level, loss, derived)
     timings["compileL"] = timings.get("compileL", 0.0) + time.process_time() - start
     _check_stored(seeds, base, opt)
     rngs = {c.seed: np.random.default_rng([c.seed, 7]) for c in cases}   # a case's own draws
@@ -217,6 +221,16 @@ def _check(seeds: list[int], level: int | None, reference: bool, loss: Callable 
             _reference_update(out, refs[0], base, step, lr, fragile)
         _compare_updates(out, f"step {step} update", base, opt, tol, against, spread, bounds)
     return out
+
+
+@contextlib.contextmanager
+def _pieces(cost: int):
+    """Segments cut at ``cost`` (:data:`~latte.compiler.schedule.PIECE_COST`) meanwhile."""
+    kept, schedule.PIECE_COST = schedule.PIECE_COST, cost
+    try:
+        yield
+    finally:
+        schedule.PIECE_COST = kept
 
 
 def _check_stored(seeds: list[int], base: Net, opt: Net) -> None:

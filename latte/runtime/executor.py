@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from latte.compiler import HostStep, Program, Segment, TimeSteps, flat_steps
-from latte.compiler.codegen import BOUNDS_OFFSET, BOUNDS_SITE, pieces
+from latte.compiler.codegen import BOUNDS_OFFSET, BOUNDS_SITE
 from latte.compiler.ir import Buffer, Ref, walk
 from latte.compiler.jit import CodeLibrary
 from latte.errors import CompileError
@@ -26,20 +26,14 @@ class NativeCode:
     outside a buffer (the access was skipped)."""
 
     def __init__(self, library: CodeLibrary, segments: list[Segment], table):
-        self._fns = {seg.name: [_SEGMENT(library.address(p.name)) for p in pieces(seg)]
-                     for seg in segments}
+        self._fns = {seg.name: _SEGMENT(library.address(seg.name)) for seg in segments}
         self._table = ctypes.cast(table, ctypes.c_void_p)
         # code built with LATTE_CHECK_BOUNDS=1 has these
         self._site = library.global_address(BOUNDS_SITE)
         self._offset = library.global_address(BOUNDS_OFFSET)
 
     def call(self, segment: str) -> None:
-        for fn in self._fns[segment]:
-            fn(self._table)
-            self._check(segment)
-
-    def _check(self, segment: str) -> None:
-        """Raise if the code just run recorded an access outside a buffer."""
+        self._fns[segment](self._table)
         if self._site:
             site = ctypes.c_void_p.from_address(self._site)
             if site.value:
