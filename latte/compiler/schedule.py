@@ -197,7 +197,6 @@ def zero_grads(net, bufs: BufferPlan, skip) -> Kernel:
     return Kernel("zero_grads", body, None, "backward")
 
 
-
 #: A segment whose kernels cost more than this to compile (their shapes' IR length, as
 #: :func:`~latte.compiler.codegen.split` weighs modules; about half a second of LLVM's
 #: time) runs as consecutive pieces, which ``split`` can place in modules apart: one
@@ -223,6 +222,7 @@ def cut(steps: list) -> list:
 
 
 def _pieces(segment: Segment) -> list[Segment]:
+    """``segment`` cut as :func:`cut` says."""
     runs: list[list[Kernel]] = [[]]
     held: set[str] = set()
     for kernel in segment.kernels:
