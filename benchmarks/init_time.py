@@ -1,6 +1,7 @@
 """Cold and warm ``net.init()`` of VGG-16, ResNet-50 and LeNet, each in a fresh process.
 
     python benchmarks/init_time.py [--nets vgg16 resnet50 lenet] [--threads 2] [--repeat 3]
+    python benchmarks/init_time.py --modules 2 16 [--nets vgg16 resnet50]
 
 VGG-16 is the paper's: 13 3x3 convolutions (64-64, 128-128, 256 x3, 512 x3, 512 x3, each
 followed by a ReLU, a 2x2 max pooling after each block) and 3 fully connected layers
@@ -11,6 +12,11 @@ directory; the first worker compiles (cold), the next ``--repeat`` find the prog
 its code in the cache (warm: the compiler does not run). The table gives the cold time and
 the median warm time of ``net.init()`` alone (building the layers, which draws the random
 weights, is not counted).
+
+``--modules N ...`` times the LLVM side of a cold compile instead: each net's program (as
+``net.init()`` makes it) is cut into N modules as ``LATTE_COMPILE_JOBS=N`` would, and each
+module is built and compiled in turn in one process; the longest module is what N cores
+compiling side by side wait for.
 """
 
 from __future__ import annotations
@@ -94,6 +100,25 @@ def worker(name: str, threads: int) -> None:
           "stored": net.program.stored})
 
 
+def module_times(name: str, threads: int, parts: list[int]) -> list[list[str]]:
+    """Per count of modules: how many the program makes, the longest one's and all
+    modules' seconds to build and compile (one after another, here)."""
+    from latte.compiler.jit import target  # noqa: PLC0415
+    from latte.compiler.pipeline import llvm_ir  # noqa: PLC0415
+
+    net = NETS[name](threads)
+    net.init()
+    program, rows = net.program, []
+    for n in parts:
+        times = []
+        for module in llvm_ir(program.segments(), program.buffer_index(), threads, n):
+            start = time.perf_counter()
+            target().object(module(), 3)
+            times.append(time.perf_counter() - start)
+        rows.append([name, str(n), str(len(times)), f"{max(times):.2f}", f"{sum(times):.2f}"])
+    return rows
+
+
 def run(name: str, threads: int, cache: str) -> dict:
     env = dict(os.environ, LATTE_CACHE_DIR=cache, OMP_NUM_THREADS=str(threads))
     cmd = [sys.executable, __file__, "--worker", name, "--threads", str(threads)]
@@ -109,10 +134,20 @@ def main() -> None:
     ap.add_argument("--nets", nargs="*", default=list(NETS), choices=list(NETS))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3, help="warm runs per net")
+    ap.add_argument("--modules", type=int, nargs="*", default=None,
+                    help="time each of N modules' LLVM compile in turn, per N")
     args = ap.parse_args()
     if args.worker:
         return worker(args.worker, args.threads)
     load, rows = OtherLoad(), []
+    if args.modules:
+        for name in args.nets:
+            rows += module_times(name, args.threads, args.modules)
+        print(f"LLVM modules built and compiled one after another, {args.threads} threads, "
+              f"opt level 3; {machine()}")
+        print(table(rows, ["net", "modules asked", "modules", "longest s", "all s"]))
+        print(load.note())
+        return None
     for name in args.nets:
         cache = tempfile.mkdtemp(prefix="latte-init-")
         try:

@@ -208,9 +208,10 @@ def in_background(work: Callable[[], None] | None) -> "_Child | _Done":
     and now; None: nothing to do). ``wait()`` returns once it has run, and raises its error:
     a failed child's work runs again here, so the error and its traceback are this
     process's; ``cancel()`` stops it (once waited for, a no-op)."""
-    if work is None or compile_jobs() == 1:
-        if work is not None:
-            work()
+    if work is None:
+        return _Done()
+    if compile_jobs() == 1:
+        work()
         return _Done()
     return _Child(lambda: work() or b"done")
 

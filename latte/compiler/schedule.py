@@ -225,14 +225,16 @@ def _pieces(segment: Segment) -> list[Segment]:
     """``segment`` cut as :func:`cut` says."""
     runs: list[list[Kernel]] = [[]]
     held: set[str] = set()
+    cost = 0   # of the shapes held by the current piece
     for kernel in segment.kernels:
         key = shape(kernel, False)
-        added = 0 if key in held else len(key)
-        if added and runs[-1] and sum(map(len, held)) + added > PIECE_COST:
-            runs.append([])
-            held = set()
+        if key not in held:
+            if runs[-1] and cost + len(key) > PIECE_COST:
+                runs.append([])
+                held, cost = set(), 0
+            held.add(key)
+            cost += len(key)
         runs[-1].append(kernel)
-        held.add(key)
     if len(runs) == 1:
         return [segment]
     return [Segment(segment.name if i == 0 else f"{segment.name}__p{i}", tuple(run))
