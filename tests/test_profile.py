@@ -5,7 +5,9 @@ loop) and the machine's peak, measured once per machine and cached."""
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -385,3 +387,40 @@ def test_latte_run_profile_prints_an_inference_only_net(tmp_path):
     assert "sgemm on one core 12.5 GFLOP/s x 1 thread = 12.5 GFLOP/s" in out.stderr
     rows = _columns(out.stderr, "per ensemble, ms per test-phase forward (3 calls)")
     assert float(rows["fc"][2]) > 0 and rows["fc"][3].endswith("%")
+
+
+def _conv_net() -> Net:
+    net = Net(8, num_threads=2, seed=0)
+    x, y = MemoryDataLayer(net, "x", (3, 16, 16)), MemoryDataLayer(net, "y", (1,))
+    h = ReLULayer("relu", net, ConvolutionLayer("conv", net, x, 8, 3, pad=1))
+    SoftmaxLossLayer("loss", net, FullyConnectedLayer("fc", net, h, 4), y)
+    net.init()
+    return net
+
+
+def test_perf_map_names_the_jit_functions_where_they_run(tmp_path, monkeypatch):
+    """``LATTE_PERF_MAP=1`` appends every loaded function (segments, and the internal
+    functions they call: parallel loops' bodies, the products' micro-kernels) to
+    ``/tmp/perf-<pid>.map`` at the address it runs from, for code just compiled and for
+    code from the cache alike."""
+    monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("LATTE_PERF_MAP", "1")
+    path = Path(f"/tmp/perf-{os.getpid()}.map")
+    path.unlink(missing_ok=True)
+    try:
+        nets = [_conv_net(), _conv_net()]
+        lines = path.read_text().splitlines()
+    finally:
+        path.unlink(missing_ok=True)
+    assert not nets[0].program.library.from_cache and nets[1].program.library.from_cache
+    spans: dict = {}
+    for line in lines:
+        start, size, name = line.split()
+        spans.setdefault(name, []).append((int(start, 16), int(size, 16)))
+    for net in nets:
+        for seg in net.program.segments():
+            assert net.program.library.address(seg.name) in [s for s, _ in spans[seg.name]]
+    assert any(re.fullmatch(r"k\d+_conv_relu_forward_par\d+_omp", n) for n in spans)
+    assert any(re.fullmatch(r"tiled\d+", n) for n in spans)
+    ranges = sorted(r for found in spans.values() for r in found)
+    assert all(a + n <= b for (a, n), (b, _) in zip(ranges, ranges[1:]))   # none overlaps

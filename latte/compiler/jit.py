@@ -24,7 +24,7 @@ from typing import Callable
 import llvmlite
 import llvmlite.binding as llvm
 
-from latte.compiler import cache
+from latte.compiler import cache, perfmap
 from latte.compiler.blas import blas
 from latte.compiler.machine import usable_cores
 
@@ -179,12 +179,15 @@ class Target:
         """A finalized MCJIT engine per object (MCJIT needs a module: an empty one). One
         engine holding two objects runs into SIGILL (LLVM 22: the second object's GOT
         relocations of the large code model, which a JIT uses, are resolved wrongly), so
-        each object gets its own; no object calls into another."""
+        each object gets its own; no object calls into another. ``LATTE_PERF_MAP=1`` names
+        their functions for ``perf`` (:mod:`~latte.compiler.perfmap`)."""
         engines = []
         for obj in objects:
             engine = llvm.create_mcjit_compiler(self._module(""), self.new_machine())
             engine.add_object_file(llvm.ObjectFileRef.from_data(obj))
             engine.finalize_object()
+            if os.environ.get("LATTE_PERF_MAP") == "1":
+                perfmap.record(engine, obj)
             engines.append(engine)
         return engines
 
