@@ -6,7 +6,7 @@ import ctypes
 import dataclasses
 import functools
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -107,7 +107,7 @@ class Executor:
                 self._host_calls[id(step), valid] = call
         call()
 
-    def _host_call(self, step: HostStep, valid: int) -> tuple[Callable[[], None], Any]:
+    def _host_call(self, step: HostStep, valid: int) -> tuple[Callable[[], None], np.ndarray | None]:
         """A function running ``step`` on a batch of ``valid`` items, and the rows it copies
         (None: it works on views of the whole arrays)."""
         bufs, mem, ens = self.program.buffers, self.memory, step.ensemble
