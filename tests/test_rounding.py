@@ -36,6 +36,20 @@ def test_overflow_then_division_is_bounded():
     assert _ends(rounding.binop("*", 0.0, 1.0, (0.0, 0.0), e)) == (-INF, INF)   # 0 * inf
 
 
+def test_a_function_of_an_unbounded_value_stays_unbounded():
+    """``(-inf, inf)`` stands for NaN too (``inf - inf``): ``exp``, ``abs`` or ``max`` of it
+    may be NaN in float32, which ``[0, inf]`` would not allow (case 42731: an overflowed
+    logit's softmax is NaN at level 0, ``[1, 0, ...]`` in float64)."""
+    nan = rounding.binop("-", INF, INF, (1.0, INF), (1.0, INF))
+    assert _ends(nan) == (-INF, INF)
+    for fn in ("exp", "tanh", "abs", "sigmoid"):
+        assert _ends(rounding.call(fn, nan)) == (-INF, INF), fn
+    assert _ends(rounding.binop("max", 1.0, 1.0, nan, (2.0, 3.0))) == (-INF, INF)
+    lo, hi = _ends(rounding.call("exp", (-INF, 0.0)))   # bounded: no NaN
+    assert lo == 0.0 and 1.0 <= hi < 1.0 + 1e-6
+    assert _ends(rounding.binop("max", 1.0, 1.0, (1.0, INF), (2.0, 3.0))) == (2.0, INF)
+
+
 def test_a_sum_rounds_by_its_terms_not_its_result():
     """``1e8 + (1 - 1e8)`` is 1, but float32 may be off by the terms' rounding."""
     lo, hi = _ends(rounding.binop("+", 1e8, 1.0 - 1e8, rounding.exact(1e8), rounding.exact(1.0 - 1e8)))

@@ -28,8 +28,10 @@ arithmetic over the extended reals, endpoints rounded outward). The rules:
   evaluation the compiler chooses may form intermediates some times larger than the
   interpreter's (reassociated products; its derived adjoints combine like terms, ``2 * x``
   for ``x * x``); an operation that may meet ``0 * inf``, ``inf - inf`` or a division by an
-  interval holding 0 is unbounded ``(-inf, inf)``, NaN included. Overflow is no error:
-  ``1 / (1 + exp(212))`` is ``[0, 8.5e-93]``, as float32's 0 is.
+  interval holding 0 is unbounded ``(-inf, inf)``, NaN included, and so is every function
+  of an unbounded value (``exp`` of it may be NaN, not only ``[0, inf]``: case 42731, a
+  softmax of an overflowed logit). Overflow is no error: ``1 / (1 + exp(212))`` is
+  ``[0, 8.5e-93]``, as float32's 0 is.
 
 Not modelled: which way a comparison goes (an ``if``, a ``max``'s gradient or an arg-max on
 a near-tie: the random tester finds those by nudging inputs), results below float32's
@@ -112,7 +114,7 @@ def binop(op: str, x, y, a: tuple, b: tuple) -> tuple:
                            np.maximum(a[1], 0.0) + np.maximum(b[1], 0.0)))
         if op in ("max", "min"):
             f = np.maximum if op == "max" else np.minimum
-            return f(a[0], b[0]), f(a[1], b[1])
+            return _keep_unbounded((f(a[0], b[0]), f(a[1], b[1])), a, b)
         if op == "*":
             lo, hi = _corners(np.multiply, a, b)
             return _rounded(lo, hi, 0.0 if _mask(x) or _mask(y) else U)
@@ -131,12 +133,21 @@ def call(fn: str, a: tuple) -> tuple:
         return -a[1], -a[0]
     if fn == "abs":
         lo = np.where(a[0] >= 0, a[0], np.where(a[1] <= 0, -a[1], 0.0))
-        return lo, np.maximum(np.abs(a[0]), np.abs(a[1]))
+        return _keep_unbounded((lo, np.maximum(np.abs(a[0]), np.abs(a[1]))), a)
     if fn == "sigmoid":   # 1 / (1 + exp(-x)): its three roundings
         one = exact(1.0)
         return binop("/", 1.0, 1.0, one, binop("+", 1.0, 1.0, one, call("exp", call("neg", a))))
     with np.errstate(all="ignore"):
-        return _rounded(_UNARY[fn](a[0]), _UNARY[fn](a[1]), _ULPS[fn])
+        return _keep_unbounded(_rounded(_UNARY[fn](a[0]), _UNARY[fn](a[1]), _ULPS[fn]), a)
+
+
+def _keep_unbounded(out: tuple, *args: tuple) -> tuple:
+    """``out``, unbounded where an argument is: ``(-inf, inf)`` stands for NaN as well,
+    which a function of it keeps."""
+    nan = np.zeros(np.shape(out[0]), bool)
+    for lo, hi in args:
+        nan = nan | (np.isneginf(lo) & np.isposinf(hi))
+    return np.where(nan, -INF, out[0]), np.where(nan, INF, out[1])
 
 
 def where(mask, a: tuple, b: tuple) -> tuple:
