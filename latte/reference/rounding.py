@@ -144,7 +144,7 @@ def call(fn: str, a: tuple) -> tuple:
 def _keep_unbounded(out: tuple, *args: tuple) -> tuple:
     """``out``, unbounded where an argument is: ``(-inf, inf)`` stands for NaN as well,
     which a function of it keeps."""
-    nan = np.zeros(np.shape(out[0]), bool)
+    nan = False
     for lo, hi in args:
         nan = nan | (np.isneginf(lo) & np.isposinf(hi))
     return np.where(nan, -INF, out[0]), np.where(nan, INF, out[1])

@@ -102,14 +102,14 @@ class Executor:
         runs 106 host steps, and their bookkeeping took as long as the arrays' work."""
         call = self._host_calls.get((id(step), valid))
         if call is None:
-            call, rows = self._host_call(step, valid)
-            if rows is None:
+            call, whole = self._host_call(step, valid)
+            if whole:
                 self._host_calls[id(step), valid] = call
         call()
 
-    def _host_call(self, step: HostStep, valid: int) -> tuple[Callable[[], None], np.ndarray | None]:
-        """A function running ``step`` on a batch of ``valid`` items, and the rows it copies
-        (None: it works on views of the whole arrays)."""
+    def _host_call(self, step: HostStep, valid: int) -> tuple[Callable[[], None], bool]:
+        """A function running ``step`` on a batch of ``valid`` items, and whether it works on
+        views of the whole arrays (else on copies of rows, made here)."""
         bufs, mem, ens = self.program.buffers, self.memory, step.ensemble
         rows = _real_rows(bufs, valid)
         valid = bufs.batch_size if valid * bufs.time_steps >= bufs.batch_size else valid
@@ -126,13 +126,13 @@ class Executor:
             run = functools.partial(ens.backward, values, [arrays[bufs.grad(i)] for i in ens.inputs],
                                     arrays[bufs.value(ens)], arrays[bufs.grad(ens)], valid)
         if rows is None:
-            return run, None
+            return run, True
 
         def copied() -> None:
             run()
             for b in written:
                 mem[b][rows] = arrays[b]
-        return copied, rows
+        return copied, False
 
     def _time_steps(self, loop: TimeSteps, valid: int) -> None:
         """Run ``loop``'s steps once per time step, its step views on that step's rows."""
