@@ -85,6 +85,10 @@ ROUNDING = {
            "level 0's softmax is NaN (inf - inf), float64's [1, 0, ...]; the interval of "
            "exp(x - lse) was [0, inf], which excluded NaN (a function of an unbounded value "
            "now stays unbounded)",
+    39760: "level 0 vs reference: two neurons' `min(a2, 0.5)` tie exactly in float64 (a2 = "
+           "0.5 - 1.5 s + 1.5 s) and fall below 0.5 in float32; each sends 1.5 times its "
+           "gradient to one max-pool input, 3.4 in all; the jittered references flip one "
+           "each (2.0 and 1.4), so rounding's spread is their sum, not their max",
 }
 
 

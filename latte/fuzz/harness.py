@@ -330,10 +330,12 @@ def _reference_step(out: list, refs: list, base: Net, feed: dict, labels: set, s
     on a sum that is zero but for rounding moves all the way to the other side; a sum of
     large terms that cancel, as far as their rounding goes); an entry may differ by that
     much more than the bound. The two break a tie two ways: one among more entries may go
-    to a third (case 4794). Entries on which the nudged references disagree with the plain
-    one, or that rounding moves past the bound, are fragile: a max or an ``if`` decides on
-    a near-tie there, which float32 and float64 may break differently; level 0's update is
-    not compared there."""
+    to a third (case 4794). Their moves add up: with the same draws of opposite signs, each
+    of several lanes' ties flips in one of the two, and float32 may flip them all (case
+    39760: two neurons' ``min(a2, 0.5)`` ties each send a gradient to one input). Entries
+    on which the nudged references disagree with the plain one, or that rounding moves
+    past the bound, are fragile: a max or an ``if`` decides on a near-tie there, which
+    float32 and float64 may break differently; level 0's update is not compared there."""
     _run_references(refs, base, feed, labels, rng, step)
     ref, nudged, jittered = refs[0], refs[1:3], refs[3:]
     spread, fragile = {}, {}
@@ -341,8 +343,8 @@ def _reference_step(out: list, refs: list, base: Net, feed: dict, labels: set, s
     def check(what: str, name: str, got, store: str) -> None:
         want, near_tie = getattr(ref, store)[name], None
         if jittered:
-            spread[store, name] = _spread(jittered, store, name, want)
-            near_tie = _past(want, _spread(nudged, store, name, want), TOL_REFERENCE)
+            spread[store, name] = _moves(jittered, store, name, want).sum(axis=0)
+            near_tie = _past(want, _moves(nudged, store, name, want).max(axis=0), TOL_REFERENCE)
             fragile[store, name] = near_tie | _past(want, spread[store, name], TOL_REFERENCE)
         _compare(out, f"step {step} {what}", name, got, want, TOL_REFERENCE, "reference",
                  near_tie, spread.get((store, name)), _around(ref, store, name))
@@ -377,9 +379,9 @@ def _run_references(refs: list, base: Net, feed: dict, labels: set,
         ref.backward()
 
 
-def _spread(others: list, store: str, name: str, want: np.ndarray) -> np.ndarray:
-    """Per entry, how far the references ``others`` are from ``want``."""
-    return np.max([_errors(getattr(o, store)[name], want, 0.0)[0] for o in others], axis=0)
+def _moves(others: list, store: str, name: str, want: np.ndarray) -> np.ndarray:
+    """Per reference of ``others`` and entry, how far it is from ``want``."""
+    return np.array([_errors(getattr(o, store)[name], want, 0.0)[0] for o in others])
 
 
 def _reference_update(out: list, ref, base: Net, step: int, lr: float, fragile: dict) -> None:
