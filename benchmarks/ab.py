@@ -10,7 +10,7 @@ between separate runs.
 Each net is compiled with ``--var`` set to one of ``--values`` (the compiler reads these
 variables as it compiles), then the two run in turn, ``--repeat`` times each (a batch-1
 test forward, or a batch-16 forward and backward; the MLP at its batch of 128), and the
-medians and their ratio are printed. ``lstm`` and ``gru`` are the nets of
+medians and their ratios (each against the first setting) are printed. ``lstm`` and ``gru`` are the nets of
 ``benchmarks/lstm.py``, in training a forward and a backward through their 50 steps;
 ``vgg_mini`` is ``benchmarks/vgg_mini.py``'s (batch 64, training: forward and backward).
 ``--avx2`` compiles for an AVX2 host on this one: LLVM's target without AVX-512, tiles for
@@ -51,12 +51,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("net")
     ap.add_argument("--var", default="LATTE_PACK")
-    ap.add_argument("--values", nargs=2, default=["0", "1"])
+    ap.add_argument("--values", nargs="+", default=["0", "1"],
+                    help="two or more settings; each one's ratio is taken against the first")
     ap.add_argument("--mode", choices=["inference", "training"], default="inference")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--avx2", action="store_true")
     args = ap.parse_args()
+    if len(args.values) < 2:
+        ap.error("--values takes two or more settings")
     if args.net == "vgg_mini" and args.mode != "training":
         ap.error("vgg_mini runs in --mode training (its data layer has no test set)")
     if args.avx2:
@@ -87,12 +90,13 @@ def main() -> None:
             fn()
             times[value].append(time.perf_counter() - start)
     ms = {value: statistics.median(t) * 1e3 for value, t in times.items()}
-    a, b = args.values
     print(f"{args.net} {args.mode}, {args.threads} threads, median of {args.repeat}; "
           f"{machine()}{'; compiled as for AVX2' if args.avx2 else ''}")
     for value in args.values:
         print(f"  {args.var}={value}: {ms[value]:.1f} ms")
-    print(f"  {args.var}={a} / {args.var}={b}: {ms[a] / ms[b]:.3f}")
+    first = args.values[0]
+    for value in args.values[1:]:
+        print(f"  {args.var}={first} / {args.var}={value}: {ms[first] / ms[value]:.3f}")
 
 
 if __name__ == "__main__":

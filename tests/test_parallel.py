@@ -3,6 +3,7 @@ loops, across thread counts, bitwise repeatable, and the IR the papers describe.
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import numpy as np
@@ -10,7 +11,23 @@ import pytest
 from helpers import WeightedSumLoss, check_gradients, fill
 
 from latte import Net
-from latte.compiler.ir import Gemm, Loop, LoopKind, walk
+from latte.compiler.codegen import ModuleBuilder
+from latte.compiler.ir import (
+    TID,
+    Affine,
+    AugAssign,
+    Block,
+    Buffer,
+    Const,
+    Gemm,
+    Kernel,
+    Loop,
+    LoopKind,
+    Ref,
+    walk,
+)
+from latte.compiler.jit import target
+from latte.compiler.passes.parallel import parallel
 from latte.compiler.passes.tiling import MIN_TILE, heights
 from latte.stdlib import (
     ConvolutionLayer,
@@ -158,3 +175,41 @@ def test_weight_gradients_accumulate_in_private_buffers():
     bwd = _kernel(net, "conv1", "backward")
     names = {b.name for n in walk(bwd.body) if isinstance(n, Gemm) for b in (n.c_buf,)}
     assert "conv1.grad_weights.private" in names
+
+
+def _counted(n: int, per_thread: bool, calls: int) -> tuple[np.ndarray, str]:
+    """``for i in range(n): count[i] += 1`` (``count[_tid, i]`` with ``per_thread``) as a
+    parallel loop of two threads, run ``calls`` times: the counts and the module's IR."""
+    shape = (2, n) if per_thread else (n,)
+    count = Buffer(("count",), "count", shape)
+    index = (Affine.of(TID), Affine.of("i")) if per_thread else (Affine.of("i"),)
+    body = Block((AugAssign(Ref(count, index, shape), "+", Const(1.0)),))
+    mb = ModuleBuilder({count: 0}, threads=2)
+    mb.add_segment("seg", [Kernel("count", Block((parallel(Loop("i", 0, n, body), 1),)))])
+    lib = target().compile(str(mb.module))
+    out = np.zeros(shape, np.float32)
+    table = (ctypes.c_void_p * 1)(out.ctypes.data)
+    run = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lib.address("seg"))
+    for _ in range(calls):
+        run(ctypes.addressof(table))
+    return out, str(mb.module)
+
+
+def test_threads_steal_iterations_each_runs_once():
+    """A parallel loop of a few iterations per thread is shared by stealing (each thread
+    takes its chunk's iterations from an atomic counter, then what the others left): every
+    iteration still runs exactly once per call, whichever thread takes it."""
+    counts, code = _counted(13, False, 400)
+    assert "atomicrmw add" in code
+    np.testing.assert_array_equal(counts, np.full(13, 400.0))
+
+
+def test_loops_over_per_thread_buffers_keep_their_static_chunks():
+    """A loop indexing per-thread buffers by the thread number (private gradients, whose
+    reduction in thread order keeps results independent of timing) is never stolen from:
+    thread t runs iterations [t n / 2, (t + 1) n / 2) of every call."""
+    counts, code = _counted(13, True, 50)
+    assert "atomicrmw" not in code
+    want = np.zeros((2, 13), np.float32)
+    want[0, :6], want[1, 6:] = 50, 50
+    np.testing.assert_array_equal(counts, want)

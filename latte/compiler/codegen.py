@@ -58,6 +58,8 @@ F32, I32, I64, I1 = ir.FloatType(), ir.IntType(32), ir.IntType(64), ir.IntType(1
 I8P = ir.IntType(8).as_pointer()
 PTR = ir.PointerType(F32)
 FAST = ("reassoc", "contract", "nsz")
+LINE = 8        # i64 per cache line: the stealing counters lie a line apart
+STEAL_MAX = 64  # iterations per thread up to which a parallel loop's threads steal
 SGEMM, SGEMV = "scipy_cblas_sgemm", "scipy_cblas_sgemv"
 BOUNDS_SITE, BOUNDS_OFFSET = "latte_bounds_site", "latte_bounds_offset"
 _FCMP = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
@@ -294,7 +296,11 @@ class _KernelEmitter:
 
     def parallel(self, s: Loop) -> None:
         """Outline the flat loop over ``s`` and its collapsed inner loops into a function that
-        runs one static chunk, and call it on every thread through ``GOMP_parallel``."""
+        runs one static chunk, and call it on every thread through ``GOMP_parallel``. A loop
+        of a few iterations per thread whose body does not read the thread number (no
+        per-thread buffers: any thread may run any iteration, with the same results) is
+        shared by stealing (:meth:`_steal`): a thread that a slower core, an interrupt or
+        another process holds back leaves its last iterations to the others."""
         loops = [s]
         for _ in range(dict(s.meta).get("collapse", 1) - 1):
             loops.append(loops[-1].body.stmts[0])
@@ -333,22 +339,59 @@ class _KernelEmitter:
         tid = tb.sext(tb.call(mb.declare("omp_get_thread_num", I32, []), []), I64)
         nth = tb.sext(tb.call(mb.declare("omp_get_num_threads", I32, []), []), I64)
         n = ir.Constant(I64, total)
-        lo = tb.udiv(tb.mul(n, tid), nth)
-        hi = tb.udiv(tb.mul(n, tb.add(tid, ir.Constant(I64, 1))), nth)
         args = [tb.inttoptr(v, PTR) for v in vals[:len(bufs)]] + vals[len(bufs):]
-        tb.call(body_fn, args + [lo, hi, tid])
-        tb.ret_void()
+        steal = mb.threads < total <= STEAL_MAX * mb.threads and not _uses_tid(s)
+        nvals = len(bufs) + len(outer)
+        if steal:
+            self._steal(tramp, tb, ctx, nvals, total, body_fn, args, tid)
+        else:
+            lo = tb.udiv(tb.mul(n, tid), nth)
+            hi = tb.udiv(tb.mul(n, tb.add(tid, ir.Constant(I64, 1))), nth)
+            tb.call(body_fn, args + [lo, hi, tid])
+            tb.ret_void()
         # here: fill the context and fork
         b = self.b
         with b.goto_block(self.entry):
             b.position_at_start(self.entry)
-            slots = b.alloca(ir.ArrayType(I64, max(1, len(bufs) + len(outer))))
+            slots = b.alloca(ir.ArrayType(I64, max(1, nvals + (LINE * mb.threads if steal else 0))))
         for i, v in enumerate([b.ptrtoint(self.args[x], I64) for x in bufs]
                               + [self.loop_vars[v] for v in outer]):
             b.store(v, b.gep(slots, [ir.Constant(I32, 0), ir.Constant(I32, i)]))
+        for o in range(mb.threads if steal else 0):   # each thread's next iteration
+            b.store(ir.Constant(I64, total * o // mb.threads),
+                    b.gep(slots, [ir.Constant(I32, 0), ir.Constant(I32, nvals + LINE * o)]))
         gomp = mb.declare("GOMP_parallel", ir.VoidType(),
                           [ir.FunctionType(ir.VoidType(), [I8P]).as_pointer(), I8P, I32, I32])
         b.call(gomp, [tramp, b.bitcast(slots, I8P), ir.Constant(I32, mb.threads), ir.Constant(I32, 0)])
+
+    def _steal(self, tramp, tb, ctx, nvals: int, total: int, body_fn, args, tid) -> None:
+        """The trampoline's body with stealing: each thread runs the iterations of its
+        static chunk one at a time, taking each from its chunk's counter (an atomic add;
+        the counters start at the chunks' first iterations, in the context after the
+        values), then takes what is left of the other threads' chunks the same way."""
+        threads = self.mb.threads
+        head, take, run, done = (tramp.append_basic_block(x) for x in ("owner", "take", "run", "done"))
+        entry = tb.block
+        tb.branch(head)
+        tb.position_at_end(head)
+        j = tb.phi(I64)
+        j.add_incoming(ir.Constant(I64, 0), entry)
+        tb.cbranch(tb.icmp_signed("<", j, ir.Constant(I64, threads)), take, done)
+        tb.position_at_end(take)
+        owner = tb.urem(tb.add(tid, j), ir.Constant(I64, threads))
+        hi = tb.udiv(tb.mul(ir.Constant(I64, total), tb.add(owner, ir.Constant(I64, 1))),
+                     ir.Constant(I64, threads))
+        slot = tb.gep(ctx, [tb.add(ir.Constant(I64, nvals), tb.mul(owner, ir.Constant(I64, LINE)))])
+        i = tb.atomic_rmw("add", slot, ir.Constant(I64, 1), "monotonic")
+        nxt = tb.add(j, ir.Constant(I64, 1))
+        more = tb.icmp_signed("<", i, hi)
+        j.add_incoming(nxt, take)
+        tb.cbranch(more, run, head)
+        tb.position_at_end(run)
+        tb.call(body_fn, args + [i, tb.add(i, ir.Constant(I64, 1)), tid])
+        tb.branch(take)
+        tb.position_at_end(done)
+        tb.ret_void()
 
     def store(self, target, value):
         if isinstance(target, Var):
@@ -608,3 +651,9 @@ class _KernelEmitter:
         phi.add_incoming(t, t_block)
         phi.add_incoming(f, f_block)
         return phi
+
+
+def _uses_tid(loop: Loop) -> bool:
+    """``loop`` reads the thread number (it indexes per-thread buffers)."""
+    return any((isinstance(n, Var) and n.name == TID) or (isinstance(n, Affine) and TID in n.vars)
+               for n in walk(loop))

@@ -1,6 +1,7 @@
 """Parallelization (paper 5.4.3; coarse-grain Caffe): mark loops that threads share.
 
-- A neuron nest runs as one flat parallel loop over ``batch x tiles`` (static schedule).
+- A neuron nest runs as one flat parallel loop over ``batch x tiles``: each thread runs its
+  static chunk, then helps where others lag (codegen's stealing; results do not change).
   The tile loop joins the batch loop only when tiles write disjoint regions; where a
   scatter's windows overlap between neighbouring tiles (a convolution's input gradient),
   tiles of one item stay on one thread.
@@ -11,7 +12,9 @@
   statement of a tile instead (:func:`_within`): its GEMM split, its loops over channels
   run in parallel where their iterations store to disjoint elements.
 - A GEMM outside any loop (a fully connected layer over the whole batch) is split into
-  one slice of its larger dimension per thread; every sgemm call runs on one BLAS thread.
+  slices of its larger dimension, up to :data:`SLICES` per thread (of at least
+  :data:`MIN_SLICE` rows or columns), so a thread that finishes first takes a slower
+  one's last slices; every sgemm call runs on one BLAS thread.
 - Flat loops over large buffers (zeroing, the SGD update) are split into chunks.
 """
 
@@ -47,6 +50,8 @@ from latte.compiler.passes.tiling import is_batch_loop, tile_loop, tile_rows
 MIN_GEMM_FLOPS = 1 << 21     # smaller GEMMs are not worth a fork-join
 MIN_FLAT = 1 << 15           # iterations of a loop worth splitting across threads
 MIN_SHARE = 1                # (batch item, tile) pairs per thread that a flat loop needs
+SLICES = 4                   # a split GEMM's slices per thread, at most ...
+MIN_SLICE = 64               # ... of at least this many rows or columns
 
 
 def parallelize(kernel: Kernel, bufs) -> Kernel:
@@ -252,12 +257,12 @@ def _flat_disjoint(loop: Loop) -> bool:
 
 
 def split_gemm(g: Gemm, threads: int):
-    """One slice of the larger of M and N per thread."""
+    """Slices of the larger of M and N, one to :data:`SLICES` per thread."""
     if 2 * g.m * g.n * g.k < MIN_GEMM_FLOPS:
         return g
     along_n = g.n >= g.m
     size = g.n if along_n else g.m
-    chunk = -(-size // threads)
+    chunk = -(-size // (threads * max(1, min(SLICES, size // (MIN_SLICE * threads)))))
     if chunk > 16:
         chunk = -(-chunk // 16) * 16
     pieces = -(-size // chunk)
