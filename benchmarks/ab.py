@@ -1,18 +1,18 @@
-"""A zoo net (or the MLP of ``benchmarks/mlp.py``) compiled under two settings of a compiler
-variable, timed alternately in one process: the ratio of two code paths without the drift
-between separate runs.
+"""A zoo net (or the MLP of ``benchmarks/mlp.py``) compiled under two or more settings of a
+compiler variable, timed alternately in one process: the ratios of code paths without the
+drift between separate runs.
 
     python benchmarks/ab.py resnet50 [--var LATTE_PACK --values 0 1] [--mode inference]
                             [--threads 2] [--repeat 15] [--avx2]
     python benchmarks/ab.py mlp --mode training --var LATTE_DOT
     python benchmarks/ab.py lstm --mode training --var LATTE_PACK
 
-Each net is compiled with ``--var`` set to one of ``--values`` (the compiler reads these
-variables as it compiles), then the two run in turn, ``--repeat`` times each (a batch-1
-test forward, or a batch-16 forward and backward; the MLP at its batch of 128), and the
-medians and their ratios (each against the first setting) are printed. ``lstm`` and ``gru`` are the nets of
-``benchmarks/lstm.py``, in training a forward and a backward through their 50 steps;
-``vgg_mini`` is ``benchmarks/vgg_mini.py``'s (batch 64, training: forward and backward).
+Each net is compiled with ``--var`` set to each of ``--values`` (two or more; the compiler
+reads these variables as it compiles), then they run in turn, ``--repeat`` times each (a
+batch-1 test forward, or a batch-16 forward and backward; the MLP at its batch of 128), and
+the medians and their ratios to the first setting's are printed. ``lstm`` and ``gru`` are
+the nets of ``benchmarks/lstm.py``, in training a forward and a backward through their 50
+steps; ``vgg_mini`` is ``benchmarks/vgg_mini.py``'s (batch 64, training: forward and backward).
 ``--avx2`` compiles for an AVX2 host on this one: LLVM's target without AVX-512, tiles for
 16 registers of 256 bits, OpenBLAS's Haswell kernels.
 """

@@ -17,8 +17,8 @@ value which the reference computes along with it (:mod:`latte.reference.rounding
 where float32 cannot do better, terms that cancel in a sum, a softmax of large logits, a
 value float32 cannot hold, and only there; level 0 must lie in it, and a level L too, so
 the two may differ by its width), and its *spread*, how far the jittered references move
-it (what rounding does to a branch: a tie, an ``if`` on a sum that is zero but for
-rounding, which the window does not model).
+it, their moves added (what rounding does to a branch: a tie, an ``if`` on a sum that is
+zero but for rounding, which the window does not model).
 """
 
 from __future__ import annotations
