@@ -337,14 +337,14 @@ class _KernelEmitter:
         ctx = tb.bitcast(tramp.args[0], I64.as_pointer())
         vals = [tb.load(tb.gep(ctx, [ir.Constant(I64, i)])) for i in range(len(bufs) + len(outer))]
         tid = tb.sext(tb.call(mb.declare("omp_get_thread_num", I32, []), []), I64)
-        nth = tb.sext(tb.call(mb.declare("omp_get_num_threads", I32, []), []), I64)
-        n = ir.Constant(I64, total)
         args = [tb.inttoptr(v, PTR) for v in vals[:len(bufs)]] + vals[len(bufs):]
         steal = mb.threads < total <= STEAL_MAX * mb.threads and not _uses_tid(s)
         nvals = len(bufs) + len(outer)
         if steal:
             self._steal(tramp, tb, ctx, nvals, total, body_fn, args, tid)
         else:
+            nth = tb.sext(tb.call(mb.declare("omp_get_num_threads", I32, []), []), I64)
+            n = ir.Constant(I64, total)
             lo = tb.udiv(tb.mul(n, tid), nth)
             hi = tb.udiv(tb.mul(n, tb.add(tid, ir.Constant(I64, 1))), nth)
             tb.call(body_fn, args + [lo, hi, tid])

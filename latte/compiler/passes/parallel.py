@@ -262,7 +262,8 @@ def split_gemm(g: Gemm, threads: int):
         return g
     along_n = g.n >= g.m
     size = g.n if along_n else g.m
-    chunk = -(-size // (threads * max(1, min(SLICES, size // (MIN_SLICE * threads)))))
+    slices = max(1, min(SLICES, size // (MIN_SLICE * threads)))   # per thread
+    chunk = -(-size // (threads * slices))
     if chunk > 16:
         chunk = -(-chunk // 16) * 16
     pieces = -(-size // chunk)
