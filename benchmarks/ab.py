@@ -13,8 +13,8 @@ batch-1 test forward, or a batch-16 forward and backward; the MLP at its batch o
 the medians and their ratios to the first setting's are printed. ``lstm`` and ``gru`` are
 the nets of ``benchmarks/lstm.py``, in training a forward and a backward through their 50
 steps; ``vgg_mini`` is ``benchmarks/vgg_mini.py``'s (batch 64, training: forward and backward).
-``--avx2`` compiles for an AVX2 host on this one: LLVM's target without AVX-512, tiles for
-16 registers of 256 bits, OpenBLAS's Haswell kernels.
+``--avx2`` compiles for an AVX2 host on this one (``LATTE_TARGET=avx2``: LLVM's target
+without AVX-512, tiles for 16 registers of 256 bits, OpenBLAS's Haswell kernels).
 """
 
 from __future__ import annotations
@@ -27,24 +27,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import machine  # noqa: E402
-
-
-def as_avx2() -> None:
-    """Make this process compile as for an AVX2 host (before anything is compiled)."""
-    os.environ["OPENBLAS_CORETYPE"] = "Haswell"
-    import latte.compiler.jit as jit  # noqa: PLC0415
-    import latte.compiler.pipeline as pipeline  # noqa: PLC0415
-
-    host_init = jit.Target.__init__
-
-    def init(target):
-        host_init(target)
-        target.cpu = "haswell"
-        target.features = ",".join(f for f in target.features.split(",") if "avx512" not in f)
-        target.machine = target.new_machine()
-
-    jit.Target.__init__ = init
-    pipeline.vector_registers = lambda: (256, 16)
 
 
 def main() -> None:
@@ -62,8 +44,8 @@ def main() -> None:
         ap.error("--values takes two or more settings")
     if args.net == "vgg_mini" and args.mode != "training":
         ap.error("vgg_mini runs in --mode training (its data layer has no test set)")
-    if args.avx2:
-        as_avx2()
+    if args.avx2:   # before anything is compiled
+        os.environ["LATTE_TARGET"] = "avx2"
     from lstm import latte_net as latte_rnn  # noqa: PLC0415
     from mlp import BATCH, latte_mlp  # noqa: PLC0415
     from vgg_mini import latte_vgg_mini  # noqa: PLC0415

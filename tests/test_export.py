@@ -117,8 +117,12 @@ def _compile(program: Path, model: Path) -> Path:
 
 
 def _run_clean(exe: Path, *args: str) -> int:
-    """Run ``exe`` with an empty environment: no Python, no venv, no LD_LIBRARY_PATH."""
-    return subprocess.run(["env", "-i", str(exe), *args], cwd=exe.parent).returncode
+    """Run ``exe`` with an empty environment: no Python, no venv, no LD_LIBRARY_PATH; only
+    the OpenBLAS kernels this process chose, if it chose them (``LATTE_TARGET=avx2`` runs
+    Haswell's), so that C runs the same code."""
+    kernels = [f"OPENBLAS_CORETYPE={os.environ['OPENBLAS_CORETYPE']}"
+               ] if "OPENBLAS_CORETYPE" in os.environ else []
+    return subprocess.run(["env", "-i", *kernels, str(exe), *args], cwd=exe.parent).returncode
 
 
 def _predict_in_c(program: Path, model: Path, x: np.ndarray, n_out: int) -> np.ndarray:

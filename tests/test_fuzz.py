@@ -163,6 +163,36 @@ def test_random_nets(case, checked):
         pytest.fail("\n".join(lines), pytrace=False)
 
 
+AVX2_CASES = range(12)   # compiled again as for an AVX2 machine (the test below)
+
+
+def _for_avx2() -> None:
+    """A worker's target: an AVX2 machine (set before the worker compiles anything)."""
+    os.environ["LATTE_TARGET"] = "avx2"
+
+
+def _has_avx2() -> bool:
+    import llvmlite.binding as llvm  # noqa: PLC0415
+
+    features = llvm.get_host_cpu_features()
+    return bool(features.get("avx2") and features.get("fma"))
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="the host has no AVX2 and FMA")
+def test_cases_compiled_for_avx2():
+    """The first cases compiled as for an AVX2 machine (``LATTE_TARGET=avx2``: 8-float
+    vectors and 16 registers, so other tiles, kernels and vector code) in workers on this
+    host: an AVX-512 host tests the code an AVX2 one runs."""
+    with ProcessPoolExecutor(usable_cores(), mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_for_avx2) as pool:
+        futures = {s: pool.submit(check_cases, [s], level=_level(s), loss=_loss, derived=DERIVED)
+                   for s in AVX2_CASES}
+        found = {s: f.result() for s, f in futures.items()}
+    lines = [f"case {s}: {m}" for s, ms in found.items() for m in ms[:4]]
+    assert not lines, "\n".join(lines + ["rerun: LATTE_TARGET=avx2 pytest tests/test_fuzz.py "
+                                         "-k test_random_nets --fuzz-seed S"])
+
+
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("kind", KINDS)
 def test_invalid_programs_are_rejected(kind, seed):

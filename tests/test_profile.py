@@ -284,6 +284,38 @@ def test_host_names_the_cpu_and_vector_width():
     assert re.match(r"OpenBLAS \d", info["blas"])
 
 
+@pytest.fixture
+def target(monkeypatch):
+    """Set ``LATTE_TARGET`` for a test: the target's caches forget it before and after."""
+    def use(value: str) -> None:
+        monkeypatch.setenv("LATTE_TARGET", value)
+        machine.target_cpu.cache_clear()
+        machine.vector_registers.cache_clear()
+    yield use
+    monkeypatch.delenv("LATTE_TARGET", raising=False)
+    machine.target_cpu.cache_clear()
+    machine.vector_registers.cache_clear()
+
+
+def test_an_avx2_target_leaves_out_avx512(target):
+    import llvmlite.binding as llvm
+
+    host = llvm.get_host_cpu_features()
+    if not (host.get("avx2") and host.get("fma")):
+        pytest.skip("the host has no AVX2 and FMA")
+    target("avx2")
+    name, features = machine.target_cpu()
+    assert name == "haswell" and features["avx2"] and features["fma"]
+    assert not any(on for f, on in features.items() if f.startswith(("avx512", "evex512", "amx")))
+    assert {f for f, on in features.items() if on} <= {f for f, on in host.items() if on}
+    assert machine.vector_registers() == (256, 16) and machine.host()["llvm_cpu"] == "haswell"
+    target("host")
+    assert machine.target_cpu() == (llvm.get_host_cpu_name(), host)
+    target("avx3")
+    with pytest.raises(ValueError, match="LATTE_TARGET='avx3'"):
+        machine.target_cpu()
+
+
 def test_a_group_fused_in_the_test_forward_alone_is_one_row():
     from latte.stdlib import BatchNormLayer
 
@@ -402,7 +434,12 @@ def test_perf_map_names_the_jit_functions_where_they_run(tmp_path, monkeypatch):
     """``LATTE_PERF_MAP=1`` appends every loaded function (segments, and the internal
     functions they call: parallel loops' bodies, the products' micro-kernels) to
     ``/tmp/perf-<pid>.map`` at the address it runs from, for code just compiled and for
-    code from the cache alike."""
+    code from the cache alike. The net's product is tiled on any host (an AVX-512 host's
+    registers, made one here: AVX2's 16 keep it with BLAS)."""
+    import latte.compiler.pipeline as pipeline  # noqa: PLC0415
+
+    monkeypatch.setattr(pipeline, "vector_registers", lambda: (512, 32))
+    monkeypatch.setenv("LATTE_STORED_PROGRAMS", "0")   # a patched machine: compile
     monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("LATTE_PERF_MAP", "1")
     path = Path(f"/tmp/perf-{os.getpid()}.map")

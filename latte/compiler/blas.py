@@ -13,6 +13,8 @@ def blas() -> ctypes.CDLL:
     # grows the pool where sgemm itself should be threaded. Importing the wheel loads it.
     saved = os.environ.get("OPENBLAS_NUM_THREADS")
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    if os.environ.get("LATTE_TARGET") == "avx2":   # machine.target_cpu's AVX2 machine
+        os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
     try:
         import scipy_openblas32
 
@@ -28,7 +30,6 @@ def blas() -> ctypes.CDLL:
 def set_blas_threads(n: int) -> None:
     """Threads OpenBLAS may use inside one sgemm call."""
     blas().scipy_openblas_set_num_threads(ctypes.c_int(max(1, int(n))))
-
 
 
 def pin_other_blas() -> None:

@@ -26,7 +26,7 @@ import llvmlite.binding as llvm
 
 from latte.compiler import cache, perfmap
 from latte.compiler.blas import blas
-from latte.compiler.machine import usable_cores
+from latte.compiler.machine import target_cpu, usable_cores
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,20 +57,21 @@ def unroll_threshold() -> int:
 
 
 class Target:
-    """Host target machine, optimization pipeline and symbol table (created once)."""
+    """Target machine (:func:`~latte.compiler.machine.target_cpu`), optimization pipeline
+    and symbol table (created once)."""
 
     def __init__(self):
         llvm.initialize_native_target()
         llvm.initialize_native_asmprinter()
-        self.cpu = llvm.get_host_cpu_name()
+        self.cpu, features = target_cpu()
         # the loop nests keep a unit stride innermost: vectorizing an outer loop with gathers
         # and scatters (LLVM does on znver4 once it unrolls the inner one) runs 10x slower
-        self.features = llvm.get_host_cpu_features().flatten() + NO_GATHER
+        self.features = features.flatten() + NO_GATHER
         self.machine = self.new_machine()
         self._register_symbols()
 
     def new_machine(self) -> llvm.TargetMachine:
-        """A fresh host target machine (an MCJIT engine takes ownership of the one it gets)."""
+        """A fresh target machine (an MCJIT engine takes ownership of the one it gets)."""
         target = llvm.Target.from_triple(llvm.get_process_triple())
         return target.create_target_machine(cpu=self.cpu, features=self.features, opt=3,
                                             reloc="pic", codemodel="jitdefault", jit=True)

@@ -53,11 +53,33 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+#: Feature families an AVX2 target (``LATTE_TARGET=avx2``) leaves out.
+_NOT_AVX2 = ("avx512", "avx10", "evex512", "amx")
+
+
+@functools.lru_cache(maxsize=None)
+def target_cpu() -> tuple[str, llvm.FeatureMap]:
+    """LLVM's name and features of the CPU that code is made for: the host's, or with
+    ``LATTE_TARGET=avx2`` an AVX2 machine's (Haswell's, with the host's features less
+    AVX-512 and its successors), so that an AVX-512 host runs the tests and benchmarks
+    of an AVX2 one (OpenBLAS's Haswell kernels with it: :func:`~latte.compiler.blas.blas`)."""
+    name, features = llvm.get_host_cpu_name(), llvm.get_host_cpu_features()
+    target = os.environ.get("LATTE_TARGET", "host")
+    if target == "host":
+        return name, features
+    if target != "avx2":
+        raise ValueError(f"LATTE_TARGET={target!r}: expected 'host' or 'avx2'")
+    if not (features.get("avx2") and features.get("fma")):
+        raise ValueError(f"LATTE_TARGET=avx2: this CPU ({name}) has no AVX2 and FMA to run it")
+    return "haswell", llvm.FeatureMap({f: on and not f.startswith(_NOT_AVX2)
+                                       for f, on in features.items()})
+
+
 @functools.lru_cache(maxsize=None)
 def vector_registers() -> tuple[int, int]:
-    """``(bits, count)`` of the host's widest float vector registers: AVX-512 has 32 of 512
+    """``(bits, count)`` of the target's widest float vector registers: AVX-512 has 32 of 512
     bits, AVX 16 of 256, SSE 16 of 128."""
-    features = llvm.get_host_cpu_features()
+    features = target_cpu()[1]
     if features.get("avx512f"):
         return 512, 32
     return (256 if features.get("avx") else 128), 16
@@ -94,10 +116,10 @@ class Peak:
 def host() -> dict[str, str | int]:
     """The CPU's model name, LLVM's name and features for it, its vector width in bits and
     the OpenBLAS build: what a measured peak is valid for."""
-    features = llvm.get_host_cpu_features()
+    llvm_cpu, features = target_cpu()
     config = blas().scipy_openblas_get_config
     config.restype = ctypes.c_char_p
-    return {"cpu": _model_name(), "llvm_cpu": llvm.get_host_cpu_name(),
+    return {"cpu": _model_name(), "llvm_cpu": llvm_cpu,
             "features": features.flatten(), "vector_bits": vector_registers()[0],
             "blas": config().decode()}
 
