@@ -1,6 +1,7 @@
-"""What the compiler needs to know about the machine: cache sizes, read from sysfs, and its
-vector registers, from LLVM's host features; and what the profiler measures its speed
-against: one core's peak (:func:`peak`)."""
+"""What the compiler needs to know about the machine: cache sizes, read from sysfs, and the
+CPU it makes code for (:func:`target_cpu`: the host's, as LLVM names it) and its vector
+registers; and what the profiler measures its speed against: one core's peak
+(:func:`peak`)."""
 
 from __future__ import annotations
 
