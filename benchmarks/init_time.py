@@ -137,6 +137,8 @@ def main() -> None:
     ap.add_argument("--modules", type=int, nargs="*", default=None,
                     help="time each of N modules' LLVM compile in turn, per N")
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat takes 1 or more warm runs (the table gives their median)")
     if args.worker:
         return worker(args.worker, args.threads)
     load, rows = OtherLoad(), []
