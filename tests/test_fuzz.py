@@ -19,7 +19,7 @@ import pytest
 from helpers import WeightedSumLoss
 
 from latte import Ensemble, Net, Neuron, add_connections
-from latte.compiler.machine import usable_cores
+from latte.compiler.machine import runs_avx2, usable_cores
 from latte.errors import LatteError
 from latte.fuzz.harness import check_cases
 from latte.fuzz.invalid import KINDS, invalid_net
@@ -171,14 +171,7 @@ def _for_avx2() -> None:
     os.environ["LATTE_TARGET"] = "avx2"
 
 
-def _has_avx2() -> bool:
-    import llvmlite.binding as llvm  # noqa: PLC0415
-
-    features = llvm.get_host_cpu_features()
-    return bool(features.get("avx2") and features.get("fma"))
-
-
-@pytest.mark.skipif(not _has_avx2(), reason="the host has no AVX2 and FMA")
+@pytest.mark.skipif(not runs_avx2(), reason="the host has no AVX2 and FMA")
 def test_cases_compiled_for_avx2():
     """The first cases compiled as for an AVX2 machine (``LATTE_TARGET=avx2``: 8-float
     vectors and 16 registers, so other tiles, kernels and vector code) in workers on this

@@ -9,12 +9,14 @@ import os
 
 @functools.lru_cache(maxsize=None)
 def blas() -> ctypes.CDLL:
+    from latte.compiler.machine import AVX2_CPU, target_cpu  # noqa: PLC0415 (imports this)
+
+    if target_cpu()[0] == AVX2_CPU:   # code made for an AVX2 machine: its kernels
+        os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
     # start with no worker threads (they would idle against latte's own); set_blas_threads
     # grows the pool where sgemm itself should be threaded. Importing the wheel loads it.
     saved = os.environ.get("OPENBLAS_NUM_THREADS")
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
-    if os.environ.get("LATTE_TARGET") == "avx2":   # machine.target_cpu's AVX2 machine
-        os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
     try:
         import scipy_openblas32
 

@@ -54,8 +54,15 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-#: Feature families an AVX2 target (``LATTE_TARGET=avx2``) leaves out.
-_NOT_AVX2 = ("avx512", "avx10", "evex512", "amx")
+#: LLVM's CPU an AVX2 target (``LATTE_TARGET=avx2``) names, and the feature families it
+#: leaves out of the host's.
+AVX2_CPU, _NOT_AVX2 = "haswell", ("avx512", "avx10", "evex512", "amx")
+
+
+def runs_avx2() -> bool:
+    """Does this host run code made for an AVX2 machine (AVX2 and FMA)?"""
+    features = llvm.get_host_cpu_features()
+    return bool(features.get("avx2") and features.get("fma"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,9 +77,9 @@ def target_cpu() -> tuple[str, llvm.FeatureMap]:
         return name, features
     if target != "avx2":
         raise ValueError(f"LATTE_TARGET={target!r}: expected 'host' or 'avx2'")
-    if not (features.get("avx2") and features.get("fma")):
+    if not runs_avx2():
         raise ValueError(f"LATTE_TARGET=avx2: this CPU ({name}) has no AVX2 and FMA to run it")
-    return "haswell", llvm.FeatureMap({f: on and not f.startswith(_NOT_AVX2)
+    return AVX2_CPU, llvm.FeatureMap({f: on and not f.startswith(_NOT_AVX2)
                                        for f, on in features.items()})
 
 
