@@ -19,7 +19,7 @@ from helpers import WeightedSumLoss, fill
 from test_user_neuron import LocalNeuron  # a user's neuron: a window's weighted sum
 
 from latte import Ensemble, Net, add_connections
-from latte.compiler import pipeline, stored
+from latte.compiler import machine, pipeline, stored
 from latte.compiler.description import Undescribable, describe
 from latte.compiler.program import Program
 from latte.stdlib import ConvolutionLayer, MemoryDataLayer, ReLULayer
@@ -137,6 +137,17 @@ def test_the_key_follows_globals_settings_and_variables(compiles, monkeypatch):
     assert describe(net, (3, False, 1)).key != key
     monkeypatch.setattr(sys.modules[__name__], "STRIDE", 1)
     monkeypatch.setenv("LATTE_WINOGRAD", "0")
+    assert describe(net, (3, False, 1)).key != key
+
+
+def test_the_key_follows_the_blas_kernels(compiles, monkeypatch):
+    """Whether the micro-kernel or BLAS runs a product is timed against the host's OpenBLAS
+    kernels (``OPENBLAS_CORETYPE`` picks others): a program stored under one set of them is
+    not loaded under another."""
+    net = _net()[0]
+    key = describe(net, (3, False, 1)).key
+    host = machine.host()
+    monkeypatch.setattr(machine, "host", lambda: {**host, "blas": host["blas"] + " Haswell"})
     assert describe(net, (3, False, 1)).key != key
 
 

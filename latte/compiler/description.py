@@ -31,9 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from latte.compiler import machine
 from latte.compiler.fingerprint import source_digest
-from latte.compiler.jit import target
-from latte.compiler.machine import cache_sizes
 from latte.lang.ensemble import DataEnsemble, FieldData
 
 # what the compiler reads of the Net object itself (the rest is run-time state)
@@ -70,7 +69,8 @@ def describe(net, settings: tuple) -> Description:
         raise Undescribable(f"reading the net's objects raised {error!r}") from error
     env = sorted((k, v) for k, v in os.environ.items()
                  if k.startswith("LATTE_") and k != "LATTE_CACHE_DIR")
-    host = (target().cpu, target().features, sorted(cache_sizes().items()))
+    # the trials' answers (micro-kernel or BLAS) are the host's, its OpenBLAS kernels included
+    host = (machine.host(), sorted(machine.cache_sizes().items()))
     h = hashlib.sha256()
     for part in (latte_digest(), versions(), repr(settings), repr(env), repr(host), *walk.out):
         h.update(part.encode())
