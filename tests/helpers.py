@@ -131,6 +131,15 @@ def assert_scaled_close(actual, expected, rtol: float, what: str) -> None:
     assert err <= rtol * scale, f"{what}: max error {err:.3g} is {err / scale:.3g} of the scale {scale:.3g}"
 
 
+def vector_registers(monkeypatch, bits: int, count: int) -> None:
+    """Compile as for a host with ``count`` vector registers of ``bits`` (wider vectors are
+    correct anywhere), with stored programs off: the patched machine is not in their key."""
+    import latte.compiler.pipeline as pipeline  # noqa: PLC0415
+
+    monkeypatch.setattr(pipeline, "vector_registers", lambda: (bits, count))
+    monkeypatch.setenv("LATTE_STORED_PROGRAMS", "0")
+
+
 def pair(v) -> tuple[int, int]:
     """A kernel, stride or padding given as one int or a pair, as a pair."""
     return (v, v) if isinstance(v, int) else tuple(v)

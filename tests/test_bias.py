@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from helpers import assert_scaled_close, set_biases
+from helpers import assert_scaled_close, set_biases, vector_registers
 
 from latte import Net
 from latte.compiler import Segment, TimeSteps
@@ -103,10 +103,7 @@ def test_folded_biases_give_the_same_bits(monkeypatch, build, classes, outputs, 
     AVX-512 host's registers (made one here: wider vectors are correct anywhere; AVX2's 16
     keep small products with BLAS) and ``LATTE_IN_PLACE=1`` (whatever this machine's trials
     say)."""
-    import latte.compiler.pipeline as pipeline  # noqa: PLC0415
-
-    monkeypatch.setattr(pipeline, "vector_registers", lambda: (512, 32))
-    monkeypatch.setenv("LATTE_STORED_PROGRAMS", "0")   # a patched machine: compile
+    vector_registers(monkeypatch, 512, 32)
     monkeypatch.setenv("LATTE_IN_PLACE", "1")
     folded = build(3)
     monkeypatch.setenv("LATTE_FOLD_BIAS", "0")

@@ -9,7 +9,7 @@ import ctypes
 
 import numpy as np
 import pytest
-from helpers import assert_scaled_close
+from helpers import assert_scaled_close, vector_registers
 
 from latte import Net
 from latte.compiler import Segment, TimeSteps
@@ -283,10 +283,7 @@ def test_window_tiles_are_multiplied_in_place_and_match_level_0(monkeypatch):
     micro-kernel on the window tile as it lies, forward, on an AVX-512 host (made one here:
     wider vectors are correct anywhere); with AVX2's 16 registers, or ``LATTE_PACK=0``, BLAS
     runs it."""
-    import latte.compiler.pipeline as pipeline  # noqa: PLC0415
-
-    monkeypatch.setattr(pipeline, "vector_registers", lambda: (512, 32))
-    monkeypatch.setenv("LATTE_STORED_PROGRAMS", "0")   # a patched machine: compile
+    vector_registers(monkeypatch, 512, 32)
     base, opt = _conv(0), _conv(2)
     gemms = [g for p in opt.program.plans if p.ensemble.name == "conv"
              for g in walk(p.kernels["forward"].body) if isinstance(g, Gemm)]
@@ -299,8 +296,7 @@ def test_window_tiles_are_multiplied_in_place_and_match_level_0(monkeypatch):
     assert_scaled_close(opt.value("relu"), base.value("relu"), 1e-5, "relu")
     for p, q in zip(base.params, opt.params):
         assert_scaled_close(q.grad, p.grad, 1e-5, p.name)
-    monkeypatch.setattr(pipeline, "vector_registers", lambda: (256, 16))
-    monkeypatch.setenv("LATTE_STORED_PROGRAMS", "0")
+    vector_registers(monkeypatch, 256, 16)
     monkeypatch.setenv("LATTE_PACK", "1")
     avx2 = _conv(2)
     monkeypatch.setenv("LATTE_PACK", "0")
@@ -426,12 +422,10 @@ def test_explain_shows_what_the_trial_chose(monkeypatch, tmp_path, ratio):
     """An FC layer's input gradient (64 x 512 over 1024, B the weights in place) is timed
     against BLAS at its first compile; ``latte explain`` shows the ratio under the product,
     which runs on BLAS where the micro-kernel lost and tiled where it won."""
-    import latte.compiler.pipeline as pipeline  # noqa: PLC0415
     import latte.compiler.trials as trials  # noqa: PLC0415
     from latte.compiler.explain import explain_program  # noqa: PLC0415
 
-    monkeypatch.setattr(pipeline, "vector_registers", lambda: (512, 32))
-    monkeypatch.setenv("LATTE_STORED_PROGRAMS", "0")   # a patched machine: compile
+    vector_registers(monkeypatch, 512, 32)
     monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("LATTE_IN_PLACE", raising=False)
     monkeypatch.setattr(trials, "time_in_place", lambda products, *args: [ratio] * len(products))

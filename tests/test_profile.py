@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import vector_registers
 from test_recurrence import N_IN, N, elman
 
 from latte import Net, Phase
@@ -436,10 +437,7 @@ def test_perf_map_names_the_jit_functions_where_they_run(tmp_path, monkeypatch):
     ``/tmp/perf-<pid>.map`` at the address it runs from, for code just compiled and for
     code from the cache alike. The net's product is tiled on any host (an AVX-512 host's
     registers, made one here: AVX2's 16 keep it with BLAS)."""
-    import latte.compiler.pipeline as pipeline  # noqa: PLC0415
-
-    monkeypatch.setattr(pipeline, "vector_registers", lambda: (512, 32))
-    monkeypatch.setenv("LATTE_STORED_PROGRAMS", "0")   # a patched machine: compile
+    vector_registers(monkeypatch, 512, 32)
     monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("LATTE_PERF_MAP", "1")
     path = Path(f"/tmp/perf-{os.getpid()}.map")
