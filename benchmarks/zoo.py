@@ -15,17 +15,20 @@ milliseconds, GFLOP/s (multiply-adds of convolutions and FC layers counted twice
 training step as three forwards) and other/latte (above 1: latte is faster). A latte worker
 first runs once on an empty compile cache (cold ``net.init()``), then again on the filled
 one (warm), and is timed in that second run. Validate at small settings, e.g.
-``--size 128 --nets alexnet --repeat 2 --threads 1``. ``--layers`` times latte alone, one
+``--size 128 --nets alexnet --repeat 2 --threads 1``. ``--layers`` times latte with one
 native segment per ensemble (or fused group), and prints each one's milliseconds, GFLOP/s and
-share of the machine's peak (``latte run --profile``'s table).
+share of the machine's peak (``latte run --profile``'s table); in inference, onnxruntime's
+own profile per node after it (``--frameworks latte`` leaves it out).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -169,12 +172,36 @@ def ort_worker(args) -> dict | None:
         torch.onnx.export(twin, (x,), path, input_names=["data"], dynamo=False)
         options = ort.SessionOptions()
         options.intra_op_num_threads = options.inter_op_num_threads = args.threads[0]
+        options.enable_profiling = args.layers
+        options.profile_file_prefix = os.path.join(folder, "profile")
         session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        feed = {"data": x.numpy()}
+        out = {"ms": median_ms(lambda: session.run(None, feed), args.warmup, args.repeat),
+               "note": f"onnxruntime {ort.__version__}"}
+        if args.layers:
+            out["layers"] = ort_layers(session.end_profiling())
+        return out
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    feed = {"data": x.numpy()}
-    return {"ms": median_ms(lambda: session.run(None, feed), args.warmup, args.repeat),
-            "note": f"onnxruntime {ort.__version__}"}
+
+
+def ort_layers(trace: str) -> str:
+    """Each node's median time per run in onnxruntime's profile ``trace`` (its JSON events),
+    in the order the nodes run, and their total."""
+    with open(trace) as f:
+        events = [e for e in json.load(f) if e.get("cat") == "Node"
+                  and e["name"].endswith("_kernel_time")]
+    runs: dict[str, tuple[str, list[int]]] = {}
+    for e in events:
+        runs.setdefault(e["name"].removesuffix("_kernel_time"),
+                        (e["args"].get("op_name", ""), []))[1].append(e["dur"])
+    rows = [(name, op, statistics.median(times) / 1e3) for name, (op, times) in runs.items()]
+    width = max(len(name) for name, _, _ in rows)
+    lines = ["per node, ms per run (median over the runs):",
+             f"  {'node':{width}}  {'op':20}  ms"]
+    lines += [f"  {name:{width}}  {op:20}  {ms:.3f}" for name, op, ms in rows]
+    lines.append(f"  {'total':{width}}  {'':20}  {sum(ms for _, _, ms in rows):.3f}")
+    return "\n".join(lines)
 
 
 def worker(args) -> None:
@@ -206,7 +233,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 repetitions")
     ap.add_argument("--layers", action="store_true",
-                    help="latte alone: each ensemble's time, GFLOP/s and share of the peak")
+                    help="latte's time, GFLOP/s and share of the peak per ensemble, and "
+                         "onnxruntime's time per node (inference)")
     ap.add_argument("--stock-malloc", action="store_true",
                     help="leave glibc malloc as it is (see harness.KEEP_FREED_MEMORY)")
     ap.add_argument("--worker", default=None, help="internal: run one measurement")
@@ -222,11 +250,13 @@ def main() -> None:
         for net in args.nets:
             for mode in args.modes:
                 for threads in args.threads:
-                    result = run(args, "latte", net, mode, threads, tempfile.gettempdir())
-                    if result is not None:
-                        print(f"latte {net}, {mode} (batch {MODES[mode]}), {threads} thread(s), "
-                              f"{args.size}x{args.size}: {result['ms']:.1f} ms a run (profiled)")
-                        print(result["layers"])
+                    for fw in [f for f in ("latte", "onnxruntime") if f in args.frameworks]:
+                        result = run(args, fw, net, mode, threads, tempfile.gettempdir())
+                        if result is not None:
+                            print(f"{fw} {net}, {mode} (batch {MODES[mode]}), {threads} "
+                                  f"thread(s), {args.size}x{args.size}: {result['ms']:.1f} ms "
+                                  "a run (profiled)")
+                            print(result["layers"])
         return
     load, rows = OtherLoad(), []
     for net in args.nets:
