@@ -17,7 +17,14 @@ from latte.compiler.codegen import ModuleBuilder
 from latte.compiler.explain import explain_program
 from latte.compiler.ir import Affine, Block, Buffer, Gemm, Kernel, Ref, walk
 from latte.compiler.jit import target
-from latte.compiler.microkernel import MAX_ROWS, dot_tile, tile
+from latte.compiler.microkernel import (
+    DOT_COPY,
+    MAX_ROWS,
+    dot_columns,
+    dot_tile,
+    in_place_tile,
+    tile,
+)
 from latte.stdlib import FullyConnectedLayer, LSTMLayer, MemoryDataLayer, SoftmaxLossLayer
 
 
@@ -30,7 +37,7 @@ def _packed(b: np.ndarray, cols: int) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(k, panels, cols).transpose(1, 0, 2))
 
 
-def _run_tiled(m, n, k, rows, cols, lanes, trans_a, alpha, beta, packed=True, seed=0):
+def _run_tiled(m, n, k, rows, cols, lanes, trans_a, alpha, beta, packed=True, seed=0, k_block=0):
     rng = np.random.default_rng(seed)
     lda, ldc = (m if trans_a else k) + 3, n + 5        # leading dimensions wider than the block
     a = rng.standard_normal(((k if trans_a else m), lda)).astype(np.float32)
@@ -44,7 +51,7 @@ def _run_tiled(m, n, k, rows, cols, lanes, trans_a, alpha, beta, packed=True, se
     expected[:, :n] = alpha * op_a @ b.astype(np.float64) + beta * expected[:, :n]
     _multiply(lambda bufs: Gemm(m, n, k, bufs[0], Affine(), lda, trans_a, bufs[1], Affine(), ldb,
                                 False, bufs[2], Affine(), ldc, alpha=alpha, beta=beta,
-                                panel=(rows, cols, lanes), packed=packed), a, p, c)
+                                panel=(rows, cols, lanes), packed=packed, k_block=k_block), a, p, c)
     return c, expected
 
 
@@ -66,6 +73,8 @@ def _multiply(gemm, *arrays) -> None:
     (1, 33, 11, 1, 32, 16),       # one row
     (50, 40, 30, 4, 32, 16),      # more rows than columns: row block by row block
     (37, 20, 9, 5, 16, 8),        # the same, AVX2-sized, partial rows and panels
+    (20, 49, 300, 8, 48, 16),     # 7x7 pixels: in place, 3 vectors and a column of dot products
+    (11, 70, 40, 3, 32, 16),      # in place, 4 vectors and 6 columns of dot products
 ])
 @pytest.mark.parametrize("trans_a,alpha,beta", [(False, 1.0, 0.0), (True, 1.0, 1.0),
                                                 (False, 0.5, -2.0)])
@@ -75,6 +84,30 @@ def test_tiled_gemm_matches_numpy(m, n, k, rows, cols, lanes, trans_a, alpha, be
     # columns past n (a partial panel's padding) are left as they were
     np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4 * max(1, k) ** 0.5)
     np.testing.assert_array_equal(c[:, n:], expected[:, n:])
+
+
+@pytest.mark.parametrize("m,n,k,k_block,rows,cols", [
+    (20, 49, 300, 64, 8, 48),     # 4 blocks of 64 and one of 44, a column of dot products
+    (30, 40, 256, 128, 5, 32),    # 2 whole blocks, 8 columns of dot products
+    (9, 7, 50, 16, 4, 16),        # n below one vector
+])
+@pytest.mark.parametrize("alpha,beta", [(1.0, 0.0), (0.5, -2.0)])
+def test_b_in_place_in_blocks_of_k_adds_up(m, n, k, k_block, rows, cols, alpha, beta):
+    """B read in place ``k_block`` rows at a time: the first block with beta, the others
+    adding to C, every column's sum over all of ``k``."""
+    c, expected = _run_tiled(m, n, k, rows, cols, 16, False, alpha, beta, False, k_block=k_block)
+    np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
+    np.testing.assert_array_equal(c[:, n:], expected[:, n:])
+
+
+def test_a_large_b_in_place_runs_in_blocks_of_k_that_stay_in_cache():
+    """Row block by row block, each reads all of B: 4608 rows of 49 pixels (882 KiB, a
+    7x7 layer's windows) run in blocks of 2672 rows (512 KiB); with fewer rows than
+    columns, or A transposed, the tiles go panel by panel and k stays whole."""
+    assert in_place_tile(64, 49, 4608, 16, 32, 512 << 10) == (8, 48, 2672)
+    assert in_place_tile(64, 49, 2304, 16, 32, 512 << 10)[2] == 0
+    assert in_place_tile(32, 49, 4608, 16, 32, 512 << 10)[2] == 0
+    assert in_place_tile(64, 49, 4608, 16, 32, 512 << 10, trans_a=True)[2] == 0
 
 
 @pytest.mark.parametrize("m,n,k,rows,cols,lanes", [
@@ -162,6 +195,18 @@ def test_b_in_place_gets_the_most_accumulators():
     rows, cols = tile(512, 98, 512, 16, 32, 1 << 20, in_place=True)
     assert rows * cols // 16 >= 24
     assert tile(512, 98, 512, 16, 32, 1 << 20) != (rows, cols)
+
+
+def test_columns_past_the_last_vector_are_dot_products_where_they_fill_half_of_one():
+    """In place, a 7x7 image's 49 columns are three vectors and a dot product (tiles of 8
+    rows x 3 vectors, not 5 x 4 of which 15 lanes a row are wasted); 57 columns (9 past the
+    vector) and a transposed A keep a partial vector, and so does a copy past DOT_COPY."""
+    assert dot_columns(49, 4608, 16) == 1 and dot_columns(196, 1152, 16) == 4
+    assert dot_columns(57, 100, 16) == 0 and dot_columns(49, 100, 16, trans_a=True) == 0
+    assert dot_columns(48, 100, 16) == 0 and dot_columns(5, 100, 16) == 0
+    assert dot_columns(49, DOT_COPY + 1, 16) == 0
+    assert tile(512, 49, 4608, 16, 32, 1 << 20, in_place=True) == (8, 48)
+    assert tile(512, 57, 512, 16, 32, 1 << 20, in_place=True) == (6, 64)
 
 
 def test_no_tile_where_no_panel_fits_the_cache():

@@ -302,7 +302,8 @@ class Gemm(Stmt):
     ``cols``, ``trans_b`` False), and the product computed ``rows x cols`` at a time in
     vectors of ``lanes`` floats (:mod:`latte.compiler.microkernel`) instead of by BLAS.
     With ``packed`` False the tiled product reads B in place (rows ``ldb`` apart), or, with
-    ``trans_b``, computes ``rows x cols`` dot products along ``k`` at a time. A tiled
+    ``trans_b``, computes ``rows x cols`` dot products along ``k`` at a time; a ``k_block``
+    runs B in place ``k_block`` rows at a time (0: all of ``k`` at once). A tiled
     product with a ``bias_buf`` then adds ``bias_buf[bias_off + j]`` to each element of
     column ``j`` (:mod:`latte.compiler.passes.bias`).
     """
@@ -327,6 +328,7 @@ class Gemm(Stmt):
     packed: bool = True
     bias_buf: Buffer | None = None
     bias_off: Affine = Affine()
+    k_block: int = 0
 
     @property
     def b_rows(self) -> int:

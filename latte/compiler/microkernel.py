@@ -22,15 +22,42 @@ across its lanes once at the end: BLAS packs (transposes) both operands at every
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from llvmlite import ir
 
 F32, I64 = ir.FloatType(), ir.IntType(64)
 
 MAX_ROWS = 8   # more rows of A broadcast per step outrun the first-level cache's streams
+DOT_COPY = 1 << 14   # floats of B's last columns a product copies (transposed) onto the stack
+
+
+def dot_columns(n: int, k: int, lanes: int, trans_a: bool = False) -> int:
+    """How many of the last columns of a product reading B in place are computed as dot
+    products along ``k`` (:func:`emit`): the columns past B's last whole vector where they
+    fill at most half a vector (a 7x7 image's 49 pixels: three vectors and one column, not
+    four vectors of which 15 lanes are wasted), A is read along its rows, and their copy
+    fits :data:`DOT_COPY`; else 0."""
+    rest = n % lanes
+    return rest if 0 < rest <= lanes // 2 < n and not trans_a and rest * k <= DOT_COPY else 0
+
+
+def in_place_tile(m: int, n: int, k: int, lanes: int, registers: int, panel_bytes: int,
+                  trans_a: bool = False) -> tuple[int, int, int] | None:
+    """``(rows, cols, k_block)`` of a product reading B in place (:func:`tile`). Where its
+    tiles go row block by row block (more rows than columns, A along its rows: see
+    :func:`emit`), every row block reads all of B, which stays in cache between them only
+    if it fits ``panel_bytes``: a larger B is run ``k_block`` of its rows at a time (a
+    multiple of ``lanes``; 0: all of ``k``), C accumulating the blocks' products."""
+    block = 0
+    if not trans_a and m > n and 4 * k * n > panel_bytes:
+        block = max(lanes, panel_bytes // (4 * n) // lanes * lanes)
+    shape = tile(m, n, block or k, lanes, registers, panel_bytes, in_place=True, trans_a=trans_a)
+    return None if shape is None else (*shape, block)
 
 
 def tile(m: int, n: int, k: int, lanes: int, registers: int, panel_bytes: int,
-         in_place: bool = False) -> tuple[int, int] | None:
+         in_place: bool = False, trans_a: bool = False) -> tuple[int, int] | None:
     """``(rows, cols)`` of the register tile for an ``m x n`` product over ``k``:
     ``rows * cols / lanes`` accumulators, plus the panel's vectors and a broadcast, fit in
     ``registers``, and a panel (``k x cols`` floats) in ``panel_bytes``; among those, the
@@ -39,11 +66,13 @@ def tile(m: int, n: int, k: int, lanes: int, registers: int, panel_bytes: int,
     computed whole over its zero padding, and read again from L2 for every block of rows
     (taller tiles read it fewer times: an LSTM step's 32-row products ran 2% faster in 8-row
     tiles than in 4-row ones, a GRU's 11%, on an Intel Xeon); one read ``in_place`` is
-    computed only to the vector that holds its last column, and rows left over by whole
+    computed only to the vector that holds its last column (or the last whole one, the rest
+    as :func:`dot_columns`), its panels no wider than that, and rows left over by whole
     tiles by a smaller tile (no padding)."""
     best = None
+    widest = -(-(n - dot_columns(n, k, lanes, trans_a)) // lanes) if in_place else 6
     for rows in range(1, min(m, MAX_ROWS) + 1):
-        for vecs in range(1, 7):
+        for vecs in range(1, min(6, widest) + 1):
             cols = vecs * lanes
             if rows * vecs + vecs + 1 > registers or 4 * k * cols > panel_bytes:
                 continue
@@ -88,14 +117,42 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
     B has columns and is read along its rows, the tiles go row block by row block, so that
     the larger operand is read once, each block staying in L1 over every panel (A read
     transposed spreads a block over ``k`` lines: those products ran slower so); else panel
-    by panel, each staying in cache over every row block."""
+    by panel, each staying in cache over every row block. The :func:`dot_columns` of a B read
+    in place are copied transposed to the stack, and each row block's dot products with
+    them follow its panels. A ``k_block``: all of that per block of ``k`` (the first with
+    ``g``'s ``beta`` and bias, the rest adding to C)."""
     if g.trans_b:
         emit_dot(b, g, a, bp, c, fma, counted, bias)
         return
+    step = g.k_block or g.k
+    dots = 0 if g.packed else dot_columns(g.n, step, g.panel[2], g.trans_a)
+    copy = None
+    if dots:
+        copy = b.alloca(F32, size=_i64(dots * step))
+        copy.align = 64
+    blocks, rest = divmod(g.k, step)
+    _sweep(b, replace(g, k=step), a, bp, c, fma, counted, bias, dots, copy)
+    later = replace(g, k=step, beta=1.0)
+
+    def block(kk) -> None:   # a later block of k, from step ``kk``
+        _sweep(b, later, b.gep(a, [kk]), b.gep(bp, [b.mul(kk, _i64(g.ldb))]), c, fma, counted,
+               None, dots, copy)
+
+    if blocks > 1:
+        counted("mk.kblock", _i64(1), _i64(blocks), lambda t: block(b.mul(t, _i64(step))))
+    if rest and blocks:
+        _sweep(b, replace(later, k=rest), b.gep(a, [_i64(blocks * step)]),
+               b.gep(bp, [_i64(blocks * step * g.ldb)]), c, fma, counted, None, dots, copy)
+
+
+def _sweep(b, g, a, bp, c, fma, counted, bias, dots: int, copy) -> None:
+    """:func:`emit`'s tiles over all of ``g`` (one block of ``k``), ``dots`` columns of them
+    through ``copy``."""
     rows, cols, lanes = g.panel
-    full, tail = divmod(g.n, cols)
+    full, tail = divmod(g.n - dots, cols)
     whole, rest = divmod(g.m, rows)
     panel_size = g.k * cols if g.packed else cols
+    last = _dot_columns(b, g, a, bp, c, bias, dots, copy, fma, counted) if dots else None
 
     def tiles(p, first: int, width: int, row, height: int) -> None:
         """The ``height`` rows from ``row`` times panel ``p + first`` (``width`` columns)."""
@@ -108,6 +165,8 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
             counted("mk.panel", _i64(0), _i64(full), lambda p: tiles(p, 0, cols, row, height))
         if tail:
             tiles(_i64(0), full, tail, row, height)
+        if last:
+            last(row, height)
 
     def row_blocks(p, first: int, width: int) -> None:   # every row block, one panel
         if whole:
@@ -126,6 +185,37 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
         counted("mk.panel", _i64(0), _i64(full), lambda p: row_blocks(p, 0, cols))
     if tail:
         row_blocks(_i64(0), full, tail)
+    if last:
+        if whole:
+            counted("mk.rows", _i64(0), _i64(whole), lambda t: last(b.mul(t, _i64(rows)), rows))
+        if rest:
+            last(_i64(whole * rows), rest)
+
+
+def _dot_columns(b, g, a, bp, c, bias, dots: int, copy, fma, counted):
+    """The last ``dots`` columns of ``g``'s B (read in place) copied transposed to ``copy``,
+    and a function emitting, for a block of rows, their dot products with those rows of A
+    (tiles of as many rows as keep the accumulators, the rows' vectors and one of B in 32
+    registers)."""
+    first = g.n - dots
+
+    def column(kk) -> None:
+        for j in range(dots):
+            x = b.load(b.gep(bp, [b.add(b.mul(kk, _i64(g.ldb)), _i64(first + j))]))
+            b.store(x, b.gep(copy, [b.add(kk, _i64(j * g.k))]))
+
+    counted("mk.copy", _i64(0), _i64(g.k), column)
+    shifted = replace(g, n=dots, ldb=g.k, trans_b=True)
+    c_at = b.gep(c, [_i64(first)])
+    bias_at = None if bias is None else b.gep(bias, [_i64(first)])
+    height = max(1, 31 // (dots + 1))
+
+    def rows_of(row, count: int) -> None:
+        for top in range(0, count, height):
+            _dot_tile(b, shifted, a, copy, c_at, b.add(row, _i64(top)), _i64(0),
+                      min(height, count - top), dots, fma, bias_at)
+
+    return rows_of
 
 
 def _tile(b, g, a, panel, c, row, col, rows: int, width: int, fma, bias) -> None:

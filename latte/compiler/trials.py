@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import math
 import time
+from pathlib import Path
 
 import numpy as np
 
+from latte.compiler import microkernel
 from latte.compiler.codegen import ModuleBuilder
 from latte.compiler.ir import Affine, Block, Buffer, Gemm, Kernel
 from latte.compiler.jit import target
 from latte.compiler.machine import measured, one_blas_thread, recorded
-from latte.compiler.microkernel import tile
+from latte.compiler.microkernel import in_place_tile
 
 IN_PLACE = "in-place-speedup"   # the cache files' prefix for products with A along its rows
 #: The product timed for a transposed A (m, n, k): a 3x3 convolution's input gradient, its
@@ -66,7 +69,14 @@ def speedup(product: tuple) -> float | None:
 
 def _name(product: tuple) -> str:
     m, n, k, lda, ldb, ldc = product
-    return f"{IN_PLACE} {m}x{n}x{k} lda={lda} ldb={ldb} ldc={ldc}"
+    return f"{IN_PLACE} {m}x{n}x{k} lda={lda} ldb={ldb} ldc={ldc} kernel {_kernel_revision()}"
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_revision() -> str:
+    """A digest of the micro-kernel's source: a product is timed again when the kernel
+    changes (its speed is what was timed)."""
+    return hashlib.sha256(Path(microkernel.__file__).read_bytes()).hexdigest()[:12]
 
 
 def time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int], l2: int,
@@ -81,9 +91,10 @@ def time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int],
         bufs = [Buffer((x, i), x, (size,)) for x, size in
                 zip("ABC", ((k if trans_a else m) * lda, k * ldb, m * ldc))]
         builder.buffer_index.update({buf: j for j, buf in enumerate(bufs)})
-        shape = tile(m, n, k, lanes, vector[1], l2 // 2, in_place=True)
+        rows, cols, block = in_place_tile(m, n, k, lanes, vector[1], l2 // 2, trans_a)
         g = Gemm(m, n, k, bufs[0], Affine(), lda, trans_a, bufs[1], Affine(), ldb, False,
-                 bufs[2], Affine(), ldc, beta=0.0, panel=(*shape, lanes), packed=False)
+                 bufs[2], Affine(), ldc, beta=0.0, panel=(rows, cols, lanes), packed=False,
+                 k_block=block)
         builder.add_segment(f"trial{i}", [Kernel(f"trial{i}", Block((g,)))])
         operands.append(bufs)
     library = target().compile(str(builder.module))

@@ -48,7 +48,7 @@ from latte.compiler.ir import (
     rewrite,
     walk,
 )
-from latte.compiler.microkernel import dot_tile, tile
+from latte.compiler.microkernel import dot_tile, in_place_tile, tile
 from latte.compiler.passes.data_copy import nest, variables
 from latte.compiler.passes.parallel import parallel
 
@@ -119,7 +119,8 @@ def tile_in_place(kernel: Kernel, vector: tuple[int, int], l2: int, shared: int)
         shape = _in_place_tile(g, vector, l2, shared)
         if shape is None or not in_place_pays(g, vector, l2):
             return None
-        return replace(g, panel=(*shape, vector[0] // 32), packed=False)
+        rows, cols, block = shape
+        return replace(g, panel=(rows, cols, vector[0] // 32), packed=False, k_block=block)
 
     return replace(kernel, body=rewrite(kernel.body, lambda n: tiled(n) if isinstance(n, Gemm)
                                         else None))
@@ -131,7 +132,7 @@ def _in_place_tile(g: Gemm, vector: tuple[int, int], l2: int, shared: int):
     if (g.panel or g.trans_b or g.m == 1 or g.n == 1 or 4 * g.m * g.k > shared // 2
             or not _short_columns(g)):
         return None
-    return tile(g.m, g.n, g.k, vector[0] // 32, vector[1], l2 // 2, in_place=True)
+    return in_place_tile(g.m, g.n, g.k, vector[0] // 32, vector[1], l2 // 2, g.trans_a)
 
 
 def measure_in_place(kernels: list[Kernel], vector: tuple[int, int], l2: int, shared: int) -> None:
