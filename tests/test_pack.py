@@ -102,9 +102,12 @@ def test_b_in_place_in_blocks_of_k_adds_up(m, n, k, k_block, rows, cols, alpha, 
 
 def test_a_large_b_in_place_runs_in_blocks_of_k_that_stay_in_cache():
     """Row block by row block, each reads all of B: 4608 rows of 49 pixels (882 KiB, a
-    7x7 layer's windows) run in blocks of 2672 rows (512 KiB); with fewer rows than
+    7x7 layer's windows) run in two blocks of 2304 rows (at most 2672 fit 512 KiB), 4000
+    in two of 2000, 4001 (no divisor near) in 2672 and a shorter last one; with fewer rows than
     columns, or A transposed, the tiles go panel by panel and k stays whole."""
-    assert in_place_tile(64, 49, 4608, 16, 32, 512 << 10) == (8, 48, 2672)
+    assert in_place_tile(64, 49, 4608, 16, 32, 512 << 10) == (8, 48, 2304)
+    assert in_place_tile(64, 49, 4000, 16, 32, 512 << 10)[2] == 2000
+    assert in_place_tile(64, 49, 4001, 16, 32, 512 << 10)[2] == 2672
     assert in_place_tile(64, 49, 2304, 16, 32, 512 << 10)[2] == 0
     assert in_place_tile(32, 49, 4608, 16, 32, 512 << 10)[2] == 0
     assert in_place_tile(64, 49, 4608, 16, 32, 512 << 10, trans_a=True)[2] == 0
@@ -143,7 +146,7 @@ def test_dot_products_match_numpy(m, n, k, rows, cols, lanes, alpha, beta):
     (9, 40, 20, 6, 16, 8),        # AVX2-sized tiles
     (50, 40, 30, 4, 32, 16),      # row block by row block
 ])
-@pytest.mark.parametrize("form", ["packed", "in place", "dot products"])
+@pytest.mark.parametrize("form", ["packed", "in place", "in place, blocks of k", "dot products"])
 @pytest.mark.parametrize("beta", [0.0, 1.0])
 def test_tiled_gemm_adds_a_bias_per_column(m, n, k, rows, cols, lanes, form, beta):
     """``C = A @ B + beta * C + bias[j]`` (a folded bias, :mod:`latte.compiler.passes.bias`),
@@ -157,12 +160,13 @@ def test_tiled_gemm_adds_a_bias_per_column(m, n, k, rows, cols, lanes, form, bet
     expected[:, :n] = (a.astype(np.float64) @ b.astype(np.float64) + beta * expected[:, :n]
                        + bias[2:n + 2])
     trans_b = form == "dot products"
-    op_b = {"packed": _packed(b, cols), "in place": b, "dot products": np.ascontiguousarray(b.T)}[form]
-    ldb = {"packed": cols, "in place": n, "dot products": k}[form]
+    op_b = {"packed": _packed(b, cols), "dot products": np.ascontiguousarray(b.T)}.get(form, b)
+    ldb = {"packed": cols, "dot products": k}.get(form, n)
     panel = (min(rows, 3), 4, lanes) if trans_b else (rows, cols, lanes)
     _multiply(lambda bufs: Gemm(m, n, k, bufs[0], Affine(), k, False, bufs[1], Affine(), ldb,
                                 trans_b, bufs[2], Affine(), n + 3, beta=beta, panel=panel,
-                                packed=form == "packed", bias_buf=bufs[3], bias_off=Affine(const=2)),
+                                packed=form == "packed", bias_buf=bufs[3], bias_off=Affine(const=2),
+                                k_block=16 * (form == "in place, blocks of k")),
               a, op_b, c, bias)
     np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
     np.testing.assert_array_equal(c[:, n:], expected[:, n:])
@@ -201,7 +205,8 @@ def test_columns_past_the_last_vector_are_dot_products_where_they_fill_half_of_o
     """In place, a 7x7 image's 49 columns are three vectors and a dot product (tiles of 8
     rows x 3 vectors, not 5 x 4 of which 15 lanes a row are wasted); 57 columns (9 past the
     vector) and a transposed A keep a partial vector, and so does a copy past DOT_COPY."""
-    assert dot_columns(49, 4608, 16) == 1 and dot_columns(196, 1152, 16) == 4
+    assert dot_columns(49, 4608, 16) == 1 and dot_columns(98, 256, 16) == 2
+    assert dot_columns(196, 1152, 16) == 0   # 12 lanes empty of 208: as fast as a vector
     assert dot_columns(57, 100, 16) == 0 and dot_columns(49, 100, 16, trans_a=True) == 0
     assert dot_columns(48, 100, 16) == 0 and dot_columns(5, 100, 16) == 0
     assert dot_columns(49, DOT_COPY + 1, 16) == 0

@@ -35,11 +35,14 @@ DOT_COPY = 1 << 14   # floats of B's last columns a product copies (transposed) 
 def dot_columns(n: int, k: int, lanes: int, trans_a: bool = False) -> int:
     """How many of the last columns of a product reading B in place are computed as dot
     products along ``k`` (:func:`emit`): the columns past B's last whole vector where they
-    fill at most half a vector (a 7x7 image's 49 pixels: three vectors and one column, not
-    four vectors of which 15 lanes are wasted), A is read along its rows, and their copy
-    fits :data:`DOT_COPY`; else 0."""
+    fill at most half a vector whose empty lanes are a tenth or more of all the vectors' (a
+    7x7 image's 49 pixels: three vectors and one column, not four vectors of which 15 lanes
+    are empty; 196 pixels, 4 lanes past 12 vectors, stay a vector: as fast, less code), A
+    is read along its rows, and their copy fits :data:`DOT_COPY`; else 0."""
     rest = n % lanes
-    return rest if 0 < rest <= lanes // 2 < n and not trans_a and rest * k <= DOT_COPY else 0
+    wasted = 10 * (lanes - rest) >= -(-n // lanes) * lanes
+    return rest if (0 < rest <= lanes // 2 < n and wasted and not trans_a
+                    and rest * k <= DOT_COPY) else 0
 
 
 def in_place_tile(m: int, n: int, k: int, lanes: int, registers: int, panel_bytes: int,
@@ -48,10 +51,13 @@ def in_place_tile(m: int, n: int, k: int, lanes: int, registers: int, panel_byte
     tiles go row block by row block (more rows than columns, A along its rows: see
     :func:`emit`), every row block reads all of B, which stays in cache between them only
     if it fits ``panel_bytes``: a larger B is run ``k_block`` of its rows at a time (a
-    multiple of ``lanes``; 0: all of ``k``), C accumulating the blocks' products."""
+    multiple of ``lanes``, dividing ``k`` where one at least half as long does; 0: all of
+    ``k``), C accumulating the blocks' products."""
     block = 0
     if not trans_a and m > n and 4 * k * n > panel_bytes:
-        block = max(lanes, panel_bytes // (4 * n) // lanes * lanes)
+        most = max(lanes, panel_bytes // (4 * n) // lanes * lanes)
+        even = max(d for d in range(lanes, most + 1, lanes) if k % d == 0 or d == lanes)
+        block = even if 2 * even >= most else most   # equal blocks, unless much shorter
     shape = tile(m, n, block or k, lanes, registers, panel_bytes, in_place=True, trans_a=trans_a)
     return None if shape is None else (*shape, block)
 
@@ -119,8 +125,8 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
     transposed spreads a block over ``k`` lines: those products ran slower so); else panel
     by panel, each staying in cache over every row block. The :func:`dot_columns` of a B read
     in place are copied transposed to the stack, and each row block's dot products with
-    them follow its panels. A ``k_block``: all of that per block of ``k`` (the first with
-    ``g``'s ``beta`` and bias, the rest adding to C)."""
+    them follow its panels. A ``k_block``: C scaled by ``beta`` (and the bias added) first,
+    then all of that per block of ``k``, each adding to C."""
     if g.trans_b:
         emit_dot(b, g, a, bp, c, fma, counted, bias)
         return
@@ -130,19 +136,37 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
     if dots:
         copy = b.alloca(F32, size=_i64(dots * step))
         copy.align = 64
+    if step == g.k:
+        _sweep(b, g, a, bp, c, fma, counted, bias, dots, copy)
+        return
+    _scale(b, g, c, bias, counted)   # C = beta * C + bias, then every block adds to it
     blocks, rest = divmod(g.k, step)
-    _sweep(b, replace(g, k=step), a, bp, c, fma, counted, bias, dots, copy)
     later = replace(g, k=step, beta=1.0)
 
-    def block(kk) -> None:   # a later block of k, from step ``kk``
+    def block(kk) -> None:   # the block of k from step ``kk``
         _sweep(b, later, b.gep(a, [kk]), b.gep(bp, [b.mul(kk, _i64(g.ldb))]), c, fma, counted,
                None, dots, copy)
 
-    if blocks > 1:
-        counted("mk.kblock", _i64(1), _i64(blocks), lambda t: block(b.mul(t, _i64(step))))
-    if rest and blocks:
+    counted("mk.kblock", _i64(0), _i64(blocks), lambda t: block(b.mul(t, _i64(step))))
+    if rest:
         _sweep(b, replace(later, k=rest), b.gep(a, [_i64(blocks * step)]),
                b.gep(bp, [_i64(blocks * step * g.ldb)]), c, fma, counted, None, dots, copy)
+
+
+def _scale(b, g, c, bias, counted) -> None:
+    """``C = beta * C (+ bias[j] in column j)`` over ``g``'s block of C (0 for a ``beta``
+    of 0, whatever C held)."""
+    def element(i, j) -> None:
+        ptr = b.gep(c, [b.add(b.mul(i, _i64(g.ldc)), j)])
+        x = ir.Constant(F32, 0.0)
+        if g.beta != 0.0:
+            x = b.fmul(ir.Constant(F32, g.beta), b.load(ptr))
+        if bias is not None:
+            x = b.fadd(x, b.load(b.gep(bias, [j])))
+        b.store(x, ptr)
+
+    counted("mk.scale", _i64(0), _i64(g.m),
+            lambda i: counted("mk.scale.col", _i64(0), _i64(g.n), lambda j: element(i, j)))
 
 
 def _sweep(b, g, a, bp, c, fma, counted, bias, dots: int, copy) -> None:
