@@ -27,7 +27,7 @@ from latte.compiler.ir import (
     walk,
 )
 from latte.compiler.jit import target
-from latte.compiler.passes.parallel import parallel
+from latte.compiler.passes.parallel import parallel, slicing
 from latte.compiler.passes.tiling import MIN_TILE, heights
 from latte.stdlib import (
     ConvolutionLayer,
@@ -213,3 +213,25 @@ def test_loops_over_per_thread_buffers_keep_their_static_chunks():
     want = np.zeros((2, 13), np.float32)
     want[0, :6], want[1, 6:] = 50, 50
     np.testing.assert_array_equal(counts, want)
+
+
+def test_gemm_slices_cover_the_product_and_keep_the_threads_even():
+    """A GEMM split across threads: pieces of whole 16-float vectors (past 16) that cover
+    its rows or columns once, whose largest-first share per thread is within a vector of an
+    even split (784 columns: 400 and 384, not seven pieces of 112, four on one thread), and
+    one piece per thread where each piece would stream an operand larger than half the L2."""
+    l2 = 1 << 20
+    for size in range(64, 5000, 37):
+        for threads in (2, 3, 4):
+            for shared in (0, l2):
+                chunk, pieces = slicing(size, threads, shared, l2)
+                assert chunk * (pieces - 1) < size <= chunk * pieces
+                assert chunk <= 16 or chunk % 16 == 0
+                loads = [0] * threads
+                for piece in sorted([chunk] * (pieces - 1) + [size - chunk * (pieces - 1)])[::-1]:
+                    loads[loads.index(min(loads))] += piece
+                assert max(loads) <= -(-size // threads) + 15, (size, threads, chunk, pieces)
+                if shared:
+                    assert pieces <= threads
+    assert slicing(784, 2, 256 << 10, l2) == (400, 2)
+    assert slicing(3136, 2, 64 << 10, l2) == (784, 4)   # as even, more pieces to steal

@@ -14,7 +14,9 @@
 - A GEMM outside any loop (a fully connected layer over the whole batch) is split into
   slices of its larger dimension, up to :data:`SLICES` per thread (of at least
   :data:`MIN_SLICE` rows or columns), so a thread that finishes first takes a slower
-  one's last slices; every sgemm call runs on one BLAS thread.
+  one's last slices: as many as keep the threads' shares even (:func:`slicing`), one per
+  thread where each slice would stream an operand larger than half the L2 again; every
+  sgemm call runs on one BLAS thread.
 - Flat loops over large buffers (zeroing, the SGD update) are split into chunks.
 """
 
@@ -45,6 +47,7 @@ from latte.compiler.ir import (
     walk,
     written_refs,
 )
+from latte.compiler.machine import cache_sizes
 from latte.compiler.passes.tiling import is_batch_loop, tile_loop, tile_rows
 
 MIN_GEMM_FLOPS = 1 << 21     # smaller GEMMs are not worth a fork-join
@@ -247,6 +250,30 @@ def _reduce(buf, private, threads: int, var: str) -> Loop:
     return parallel(loop, 1) if buf.size >= MIN_FLAT else loop
 
 
+def slicing(size: int, threads: int, shared: int, l2: int) -> tuple[int, int]:
+    """``(chunk, pieces)``: ``size`` rows or columns cut in pieces of ``chunk`` (whole
+    vectors of 16 floats past 16; the last piece shorter) that ``threads`` finish soonest,
+    counting a thread's load as the pieces it would take largest first (stealing evens out
+    what the static split leaves; 784 columns: two pieces of 400 and 384, not seven of 112,
+    of which one thread would run four). Of equally soon ones, the most pieces (they keep
+    stealing useful when a core is slow), but one per thread where the operand that every
+    piece reads whole (``shared`` bytes) exceeds half the ``l2``: each piece would stream it
+    from memory again (or BLAS pack it again)."""
+    most = 1 if shared > l2 // 2 else SLICES
+    best = None
+    for per_thread in range(1, max(1, min(most, size // (MIN_SLICE * threads))) + 1):
+        chunk = -(-size // (threads * per_thread))
+        if chunk > 16:
+            chunk = -(-chunk // 16) * 16
+        pieces = -(-size // chunk)
+        loads = [0] * threads
+        for piece in [chunk] * (pieces - 1) + [size - chunk * (pieces - 1)]:
+            loads[loads.index(min(loads))] += piece
+        if best is None or (max(loads), -pieces) < best[0]:
+            best = (max(loads), -pieces), chunk, pieces
+    return best[1], best[2]
+
+
 def _flat_disjoint(loop: Loop) -> bool:
     """Every store of ``loop`` lands on an element of its own iteration."""
     if any(isinstance(n, (Loop, Gemm)) for n in walk(loop.body)):
@@ -257,16 +284,12 @@ def _flat_disjoint(loop: Loop) -> bool:
 
 
 def split_gemm(g: Gemm, threads: int):
-    """Slices of the larger of M and N, one to :data:`SLICES` per thread."""
+    """Slices of the larger of M and N, one to :data:`SLICES` per thread (:func:`slicing`)."""
     if 2 * g.m * g.n * g.k < MIN_GEMM_FLOPS:
         return g
     along_n = g.n >= g.m
     size = g.n if along_n else g.m
-    slices = max(1, min(SLICES, size // (MIN_SLICE * threads)))   # per thread
-    chunk = -(-size // (threads * slices))
-    if chunk > 16:
-        chunk = -(-chunk // 16) * 16
-    pieces = -(-size // chunk)
+    chunk, pieces = slicing(size, threads, 4 * g.k * (g.m if along_n else g.n), cache_sizes()[2])
     c = Affine.of("_c")
     if along_n:
         sliced = replace(g, b_off=g.b_off + c * (chunk * g.ldb if g.trans_b else chunk),
