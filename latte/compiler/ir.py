@@ -305,7 +305,8 @@ class Gemm(Stmt):
     ``trans_b``, computes ``rows x cols`` dot products along ``k`` at a time; a ``k_block``
     runs B in place ``k_block`` rows at a time (0: all of ``k`` at once). A tiled
     product with a ``bias_buf`` then adds ``bias_buf[bias_off + j]`` to each element of
-    column ``j`` (:mod:`latte.compiler.passes.bias`).
+    column ``j`` (with ``bias_rows``, ``bias_buf[bias_off + i]`` to row ``i``), and with
+    ``relu`` stores ``max(x, 0)`` (:mod:`latte.compiler.passes.bias`).
     """
 
     m: int
@@ -328,6 +329,8 @@ class Gemm(Stmt):
     packed: bool = True
     bias_buf: Buffer | None = None
     bias_off: Affine = Affine()
+    bias_rows: bool = False
+    relu: bool = False
     k_block: int = 0
 
     @property
@@ -493,7 +496,8 @@ def accesses(node: Node) -> list[Access]:
                        loops=loops),
                 Access(n.c_buf, n.c_off, True, block=((n.ldc, n.m), (1, n.n)), loops=loops)))
             if n.bias_buf is not None:
-                out.append(Access(n.bias_buf, n.bias_off, False, block=((n.n, 1), (1, n.n)),
+                count = n.m if n.bias_rows else n.n
+                out.append(Access(n.bias_buf, n.bias_off, False, block=((count, 1), (1, count)),
                                   loops=loops))
         for c in children(n):
             visit(c, loops)

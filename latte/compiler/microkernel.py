@@ -116,7 +116,8 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
          counted, bias: ir.Value | None = None) -> None:
     """The product ``g`` (a :class:`~latte.compiler.ir.Gemm` with a ``panel``), with ``a``,
     ``bp`` and ``c`` pointing at its A, B and C blocks (and ``bias`` at its bias, added to
-    each column as a tile is stored); ``fma``: ``llvm.fma`` on vectors of
+    each column, or with ``bias_rows`` each row, as a tile is stored; then, with ``relu``,
+    ``max(x, 0)``: :func:`_finish`); ``fma``: ``llvm.fma`` on vectors of
     ``g.panel[2]`` floats; ``counted(name, lo, hi, body)``: codegen's loop. B is packed
     (panels ``k * cols`` apart, rows ``cols``) or read in place (panels ``cols`` apart,
     rows ``ldb``); B read transposed in place: :func:`emit_dot`. Where A has more rows than
@@ -154,17 +155,18 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
 
 
 def _scale(b, g, c, bias, counted) -> None:
-    """``C = beta * C (+ bias[j] in column j)`` over ``g``'s block of C (0 for a ``beta``
-    of 0, whatever C held)."""
+    """``C = beta * C (+ the bias of each column or row)`` over ``g``'s block of C (0 for a
+    ``beta`` of 0, whatever C held)."""
     def element(i, j) -> None:
         ptr = b.gep(c, [b.add(b.mul(i, _i64(g.ldc)), j)])
         x = ir.Constant(F32, 0.0)
         if g.beta != 0.0:
             x = b.fmul(ir.Constant(F32, g.beta), b.load(ptr))
         if bias is not None:
-            x = b.fadd(x, b.load(b.gep(bias, [j])))
+            x = b.fadd(x, b.load(b.gep(bias, [i if g.bias_rows else j])))
         b.store(x, ptr)
 
+    assert not g.relu, "max(x, 0) applies to the finished sum, not to blocks of k"
     counted("mk.scale", _i64(0), _i64(g.m),
             lambda i: counted("mk.scale.col", _i64(0), _i64(g.n), lambda j: element(i, j)))
 
@@ -231,7 +233,7 @@ def _dot_columns(b, g, a, bp, c, bias, dots: int, copy, fma, counted):
     counted("mk.copy", _i64(0), _i64(g.k), column)
     shifted = replace(g, n=dots, ldb=g.k, trans_b=True)
     c_at = b.gep(c, [_i64(first)])
-    bias_at = None if bias is None else b.gep(bias, [_i64(first)])
+    bias_at = bias if bias is None or g.bias_rows else b.gep(bias, [_i64(first)])
     height = max(1, 31 // (dots + 1))
 
     def rows_of(row, count: int) -> None:
@@ -278,10 +280,9 @@ def _tile(b, g, a, panel, c, row, col, rows: int, width: int, fma, bias) -> None
     for i in range(rows):
         line = b.gep(c, [b.add(b.mul(b.add(row, _i64(i)), _i64(g.ldc)), col)])
         for j in range(vecs):
-            at = b.add(col, _i64(j * lanes))
-            _store(b, g, b.gep(line, [_i64(j * lanes)]), accs[i][j],
-                   min(lanes, width - j * lanes), fma,
-                   None if bias is None else b.gep(bias, [at]))
+            count = min(lanes, width - j * lanes)
+            _store(b, g, b.gep(line, [_i64(j * lanes)]), accs[i][j], count, fma,
+                   _bias(b, g, bias, b.add(row, _i64(i)), b.add(col, _i64(j * lanes)), vec, count))
 
 
 def _load(b, at, vec: ir.VectorType, count: int) -> ir.Value:
@@ -295,9 +296,35 @@ def _load(b, at, vec: ir.VectorType, count: int) -> ir.Value:
     return out
 
 
+def _bias(b, g, bias, row, col, vec: ir.VectorType, count: int) -> ir.Value | None:
+    """The bias of the ``count`` lanes of row ``row`` from column ``col`` as a vector (one
+    value for the row's lanes with ``bias_rows``), or None without a bias."""
+    if bias is None:
+        return None
+    if g.bias_rows:
+        return _splat(b, b.load(b.gep(bias, [row])), vec)
+    if count == vec.count:
+        return b.load(b.bitcast(b.gep(bias, [col]), vec.as_pointer()), align=4)
+    out = ir.Constant(vec, None)
+    for lane in range(count):   # no read past the bias
+        out = b.insert_element(out, b.load(b.gep(bias, [b.add(col, _i64(lane))])), _i64(lane))
+    return out
+
+
+def _finish(b, g, x: ir.Value, bias: ir.Value | None) -> ir.Value:
+    """``x`` (the sum for C) plus ``bias``, then with ``g.relu`` ``max(x, 0)``, in the order
+    and with the comparison of the nests they replace (:mod:`latte.compiler.passes.bias`)."""
+    if bias is not None:
+        x = b.fadd(x, bias)
+    if g.relu:
+        zero = ir.Constant(x.type, None)
+        x = b.select(b.fcmp_ordered(">", x, zero), x, zero)
+    return x
+
+
 def _store(b, g, at, acc, count: int, fma, bias) -> None:
-    """``C = alpha * acc + beta * C`` (then ``+ bias``, where ``bias`` points at the bias of
-    these columns) for the first ``count`` lanes at ``at``."""
+    """``C = alpha * acc + beta * C`` (then :func:`_finish` with ``bias``, a vector) for the
+    first ``count`` lanes at ``at``."""
     vec = acc.type
     if g.alpha != 1.0:
         acc = b.fmul(acc, _splat(b, ir.Constant(F32, g.alpha), vec))
@@ -305,18 +332,15 @@ def _store(b, g, at, acc, count: int, fma, bias) -> None:
         ptr = b.bitcast(at, vec.as_pointer())
         if g.beta != 0.0:
             acc = b.call(fma, [_splat(b, ir.Constant(F32, g.beta), vec), b.load(ptr, align=4), acc])
-        if bias is not None:
-            acc = b.fadd(acc, b.load(b.bitcast(bias, vec.as_pointer()), align=4))
-        b.store(acc, ptr, align=4)
+        b.store(_finish(b, g, acc, bias), ptr, align=4)
         return
     for lane in range(count):   # a last partial panel: the lanes that lie in C
         ptr = b.gep(at, [_i64(lane)])
         x = b.extract_element(acc, _i64(lane))
         if g.beta != 0.0:
             x = b.fadd(x, b.fmul(ir.Constant(F32, g.beta), b.load(ptr)))
-        if bias is not None:
-            x = b.fadd(x, b.load(b.gep(bias, [_i64(lane)])))
-        b.store(x, ptr)
+        b.store(_finish(b, g, x, None if bias is None else b.extract_element(bias, _i64(lane))),
+                ptr)
 
 
 def emit_dot(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Function,
@@ -413,9 +437,9 @@ def _dot_tile(b, g, a, bp, c, row, col, rows: int, cols: int, fma, bias) -> None
                 x = b.fmul(ir.Constant(F32, g.alpha), x)
             if g.beta != 0.0:
                 x = b.fadd(x, b.fmul(ir.Constant(F32, g.beta), b.load(ptr)))
-            if bias is not None:
-                x = b.fadd(x, b.load(b.gep(bias, [b.add(col, _i64(j))])))
-            b.store(x, ptr)
+            add = None if bias is None else b.load(
+                b.gep(bias, [b.add(row, _i64(i)) if g.bias_rows else b.add(col, _i64(j))]))
+            b.store(_finish(b, g, x, add), ptr)
 
 
 def _lane_sums(b, vectors: list, lanes: int) -> list:
