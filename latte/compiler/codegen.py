@@ -133,7 +133,7 @@ class ModuleBuilder:
         bias's), one per module for all products alike (never inlined: compiled once)."""
         biased = g.bias_buf is not None
         key = (g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.alpha, g.beta, g.trans_a, g.trans_b, g.packed,
-               g.panel, biased, g.bias_rows, g.relu)
+               g.panel, g.k_block, biased, g.bias_rows, g.relu)
         fn = self._tiled.get(key)
         if fn is None:
             fn = self._tiled[key] = self.function(f"tiled{len(self._tiled)}", 3 + biased, [])
