@@ -6,8 +6,7 @@ into ``C`` followed by the nest ``for i: for j: C[i, j] += bias[j]``: a second p
 ``C`` (13 MB for an LSTM's input projection over 50 steps of 32 items) and, in a time
 loop, a second parallel region at every step. A convolution's tile is a GEMM followed by
 ``for c: for p: C[c, p] += bias[c]`` and, with a ReLU after it (fused in the same group),
-``C[c, p] = max(C[c, p], 0)``: over VGG-16's first layer (27 multiply-adds per output)
-that pass took about a fifth of the layer's time. Where the GEMM is a register-tiled
+``C[c, p] = max(C[c, p], 0)``: a second pass over each tile. Where the GEMM is a register-tiled
 product (:mod:`latte.compiler.microkernel`), run alone or split over threads by a parallel
 loop, and the nest right after it (at any depth of the kernel) does those steps to
 exactly the region the product's blocks write, the product does them to each tile as it
@@ -27,6 +26,7 @@ from latte.compiler.ir import (
     AugAssign,
     BinOp,
     Block,
+    Buffer,
     Compare,
     Const,
     Gemm,
@@ -80,7 +80,7 @@ class _Nest:
     bias[...]`` (``bias`` a ref over :data:`ROW` or :data:`COL` alone; None without one),
     then, with ``relu``, ``C[...] = max(C[...], 0)``."""
 
-    c_buf: object
+    c_buf: Buffer
     base: Affine
     stride: int
     rows: int
