@@ -146,19 +146,26 @@ def test_dot_products_match_numpy(m, n, k, rows, cols, lanes, alpha, beta):
     (9, 40, 20, 6, 16, 8),        # AVX2-sized tiles
     (50, 40, 30, 4, 32, 16),      # row block by row block
 ])
-@pytest.mark.parametrize("form", ["packed", "in place", "in place, blocks of k", "dot products"])
+@pytest.mark.parametrize("form,per", [   # no ReLU after blocks of k: their stores are partial
+    (f, p) for f in ("packed", "in place", "in place, blocks of k", "dot products")
+    for p in ("column", "row", "row, then max(x, 0)")
+    if not (f == "in place, blocks of k" and p.endswith("max(x, 0)"))])
 @pytest.mark.parametrize("beta", [0.0, 1.0])
-def test_tiled_gemm_adds_a_bias_per_column(m, n, k, rows, cols, lanes, form, beta):
-    """``C = A @ B + beta * C + bias[j]`` (a folded bias, :mod:`latte.compiler.passes.bias`),
-    the bias read from an offset into its buffer; rounded as the product, then the bias."""
+def test_tiled_gemm_adds_a_bias_per_column_or_row(m, n, k, rows, cols, lanes, form, beta, per):
+    """``C = A @ B + beta * C + bias[j]`` (``bias[i]`` per row; then, with the ReLU,
+    ``max(C, 0)``: a folded bias, :mod:`latte.compiler.passes.bias`), the bias read from an
+    offset into its buffer; rounded as the product, then the bias."""
+    relu = per.endswith("max(x, 0)")
     rng = np.random.default_rng(7)
     a = rng.standard_normal((m, k)).astype(np.float32)
     b = rng.standard_normal((k, n)).astype(np.float32)
     c = rng.standard_normal((m, n + 3)).astype(np.float32)
-    bias = rng.standard_normal(n + 5).astype(np.float32)
+    bias = rng.standard_normal(max(m, n) + 5).astype(np.float32)
     expected = c.astype(np.float64)
-    expected[:, :n] = (a.astype(np.float64) @ b.astype(np.float64) + beta * expected[:, :n]
-                       + bias[2:n + 2])
+    added = bias[2:n + 2] if per == "column" else bias[2:m + 2, None]
+    expected[:, :n] = a.astype(np.float64) @ b.astype(np.float64) + beta * expected[:, :n] + added
+    if relu:
+        expected[:, :n] = np.maximum(expected[:, :n], 0.0)
     trans_b = form == "dot products"
     op_b = {"packed": _packed(b, cols), "dot products": np.ascontiguousarray(b.T)}.get(form, b)
     ldb = {"packed": cols, "dot products": k}.get(form, n)
@@ -166,6 +173,7 @@ def test_tiled_gemm_adds_a_bias_per_column(m, n, k, rows, cols, lanes, form, bet
     _multiply(lambda bufs: Gemm(m, n, k, bufs[0], Affine(), k, False, bufs[1], Affine(), ldb,
                                 trans_b, bufs[2], Affine(), n + 3, beta=beta, panel=panel,
                                 packed=form == "packed", bias_buf=bufs[3], bias_off=Affine(const=2),
+                                bias_rows=per != "column", relu=relu,
                                 k_block=16 * (form == "in place, blocks of k")),
               a, op_b, c, bias)
     np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4 * k ** 0.5)

@@ -163,7 +163,7 @@ def _scale(b, g, c, bias, counted) -> None:
         if g.beta != 0.0:
             x = b.fmul(ir.Constant(F32, g.beta), b.load(ptr))
         if bias is not None:
-            x = b.fadd(x, b.load(b.gep(bias, [i if g.bias_rows else j])))
+            x = b.fadd(x, b.load(_bias_at(b, g, bias, i, j)))
         b.store(x, ptr)
 
     assert not g.relu, "max(x, 0) applies to the finished sum, not to blocks of k"
@@ -296,18 +296,25 @@ def _load(b, at, vec: ir.VectorType, count: int) -> ir.Value:
     return out
 
 
+def _bias_at(b, g, bias, row, col) -> ir.Value:
+    """A pointer to the bias of element ``(row, col)``: its row's with ``g.bias_rows``,
+    else its column's."""
+    return b.gep(bias, [row if g.bias_rows else col])
+
+
 def _bias(b, g, bias, row, col, vec: ir.VectorType, count: int) -> ir.Value | None:
     """The bias of the ``count`` lanes of row ``row`` from column ``col`` as a vector (one
     value for the row's lanes with ``bias_rows``), or None without a bias."""
     if bias is None:
         return None
     if g.bias_rows:
-        return _splat(b, b.load(b.gep(bias, [row])), vec)
+        return _splat(b, b.load(_bias_at(b, g, bias, row, col)), vec)
     if count == vec.count:
-        return b.load(b.bitcast(b.gep(bias, [col]), vec.as_pointer()), align=4)
+        return b.load(b.bitcast(_bias_at(b, g, bias, row, col), vec.as_pointer()), align=4)
     out = ir.Constant(vec, None)
     for lane in range(count):   # no read past the bias
-        out = b.insert_element(out, b.load(b.gep(bias, [b.add(col, _i64(lane))])), _i64(lane))
+        out = b.insert_element(out, b.load(_bias_at(b, g, bias, row, b.add(col, _i64(lane)))),
+                               _i64(lane))
     return out
 
 
@@ -438,7 +445,7 @@ def _dot_tile(b, g, a, bp, c, row, col, rows: int, cols: int, fma, bias) -> None
             if g.beta != 0.0:
                 x = b.fadd(x, b.fmul(ir.Constant(F32, g.beta), b.load(ptr)))
             add = None if bias is None else b.load(
-                b.gep(bias, [b.add(row, _i64(i)) if g.bias_rows else b.add(col, _i64(j))]))
+                _bias_at(b, g, bias, b.add(row, _i64(i)), b.add(col, _i64(j))))
             b.store(_finish(b, g, x, add), ptr)
 
 

@@ -311,7 +311,7 @@ def _schedule(c: Compilation) -> None:
     test = schedule.test_steps(forward, c.groups, bufs, c.test_groups)
     backward = schedule.phase_steps(reversed(net.ensembles), by_ens, "backward", "bwd", c.split,
                                     c.stepped, bufs)
-    zero = parallelize(schedule.zero_grads(net, bufs, c.dead | c.pre_zeroed), bufs)
+    zero = parallelize(schedule.zero_grads(net, bufs, c.dead | c.pre_zeroed), bufs, c.budget)
     if backward and isinstance(backward[0], Segment) and not c.split:
         backward[0] = Segment(backward[0].name, (zero, *backward[0].kernels))
     else:
@@ -386,7 +386,7 @@ STEPS = (
     # nests over the same tiles run tile by tile
     Step("fuse_nests", 2, lambda c, k: fuse_nests(k)),
     # batch x tiles across threads, private gradients reduced in thread order
-    Step("parallelize", 2, lambda c, k: parallelize(k, c.bufs)),
+    Step("parallelize", 2, lambda c, k: parallelize(k, c.bufs, c.budget)),
     # GEMMs over parameters that reuse them: B packed once per pass, then tiled products
     Step("pack_weights", 2, _pack_weights, per_kernel=False),
     # the other GEMMs over an A that stays in cache, B read along its rows: tiled, B in place

@@ -47,7 +47,6 @@ from latte.compiler.ir import (
     walk,
     written_refs,
 )
-from latte.compiler.machine import cache_sizes
 from latte.compiler.passes.tiling import is_batch_loop, tile_loop, tile_rows
 
 MIN_GEMM_FLOPS = 1 << 21     # smaller GEMMs are not worth a fork-join
@@ -57,16 +56,17 @@ SLICES = 4                   # a split GEMM's slices per thread, at most ...
 MIN_SLICE = 64               # ... of at least this many rows or columns
 
 
-def parallelize(kernel: Kernel, bufs) -> Kernel:
-    """Mark the parallel loops of ``kernel`` (no-op for one thread)."""
+def parallelize(kernel: Kernel, bufs, l2: int) -> Kernel:
+    """Mark the parallel loops of ``kernel`` (no-op for one thread); ``l2``: the bytes of
+    one core's L2 (:func:`slicing`)."""
     if bufs.threads <= 1:
         return kernel
     out = []
     for s in kernel.body.stmts:
         if is_batch_loop(s) and _work(s) >= MIN_FLAT:
-            out.extend(_batch_nest(s, bufs))
+            out.extend(_batch_nest(s, bufs, l2))
         elif isinstance(s, Gemm):
-            out.append(split_gemm(s, bufs.threads))
+            out.append(split_gemm(s, bufs.threads, l2))
         elif isinstance(s, Loop) and ((_flat_disjoint(s) and s.extent >= MIN_FLAT) or (
                 _worth(s, bufs.threads) and _disjoint_iterations(s))):
             out.append(parallel(s, 1))
@@ -117,7 +117,7 @@ def _is_scratch(buf) -> bool:
     return buf.key[0] == "scratch"
 
 
-def _batch_nest(nest: Loop, bufs) -> list:
+def _batch_nest(nest: Loop, bufs, l2: int) -> list:
     extents = {n.var: n.extent for n in walk(nest) if isinstance(n, Loop)}
     # in order of first store: a set of buffers (hashed by address) would order the copies,
     # and with them the generated code, differently in every process
@@ -132,7 +132,7 @@ def _batch_nest(nest: Loop, bufs) -> list:
         collapse = 2
     items = nest.extent * (tile.extent if collapse == 2 else 1)
     if items < bufs.threads * MIN_SHARE or not all(_only_accumulated(nest, b) for b in private):
-        return [_within(nest, bufs.threads)]
+        return [_within(nest, bufs.threads, l2)]
     copies = {b: bufs.private(b) for b in private}
     body = rewrite(nest.body, lambda n: _privatize(n, copies))
     out = [_flat(p, f"_pz{i}", Const(0.0)) for i, p in enumerate(copies.values())]
@@ -141,7 +141,7 @@ def _batch_nest(nest: Loop, bufs) -> list:
     return out
 
 
-def _within(nest: Loop, threads: int) -> Loop:
+def _within(nest: Loop, threads: int, l2: int) -> Loop:
     """``nest`` with its batch and tile loops serial, and each statement in a tile shared by
     the threads: a GEMM split into slices, a loop whose iterations store to disjoint elements
     (:func:`_disjoint_iterations`) run as a parallel loop. For a batch too small to feed the
@@ -154,7 +154,7 @@ def _within(nest: Loop, threads: int) -> Loop:
             if loop.kind is not LoopKind.TILE_OUTER and tile_loop(loop) is s:
                 s = share(s)
             elif isinstance(s, Gemm):
-                s = split_gemm(s, threads)
+                s = split_gemm(s, threads, l2)
             elif isinstance(s, Loop) and _worth(s, threads) and _disjoint_iterations(s):
                 s = parallel(s, 1)
             stmts.append(s)
@@ -283,13 +283,13 @@ def _flat_disjoint(loop: Loop) -> bool:
         (off := r.offset()) is not None and off.terms == ((loop.var, 1),) for r in writes)
 
 
-def split_gemm(g: Gemm, threads: int):
+def split_gemm(g: Gemm, threads: int, l2: int):
     """Slices of the larger of M and N, one to :data:`SLICES` per thread (:func:`slicing`)."""
     if 2 * g.m * g.n * g.k < MIN_GEMM_FLOPS:
         return g
     along_n = g.n >= g.m
     size = g.n if along_n else g.m
-    chunk, pieces = slicing(size, threads, 4 * g.k * (g.m if along_n else g.n), cache_sizes()[2])
+    chunk, pieces = slicing(size, threads, 4 * g.k * (g.m if along_n else g.n), l2)
     c = Affine.of("_c")
     if along_n:
         sliced = replace(g, b_off=g.b_off + c * (chunk * g.ldb if g.trans_b else chunk),
