@@ -20,6 +20,7 @@ import numpy as np
 
 from latte.compiler import microkernel
 from latte.compiler.codegen import ModuleBuilder
+from latte.compiler.fingerprint import compiler_digest
 from latte.compiler.ir import Affine, Block, Buffer, Gemm, Kernel
 from latte.compiler.jit import target
 from latte.compiler.machine import measured, one_blas_thread, recorded
@@ -84,24 +85,34 @@ def time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int],
     """Per product (m, n, k and the leading dimensions of A, B and C; B read in place along
     its rows), BLAS's time over the micro-kernel's on one thread: the best of up to ``runs``
     runs each (the first of each warms up), taken in turns, fewer where they pass
-    ``budget`` seconds. The micro-kernels are compiled in one module."""
+    ``budget`` seconds. The micro-kernels are compiled as a program is, in modules built
+    and compiled side by side, one per core."""
     lanes = vector[0] // 32
-    builder, operands = ModuleBuilder({}), []
+    gemms = []
     for i, (m, n, k, lda, ldb, ldc) in enumerate(products):
         bufs = [Buffer((x, i), x, (size,)) for x, size in
                 zip("ABC", ((k if trans_a else m) * lda, k * ldb, m * ldc))]
-        builder.buffer_index.update({buf: j for j, buf in enumerate(bufs)})
         rows, cols, block = in_place_tile(m, n, k, lanes, vector[1], l2 // 2, trans_a)
-        g = Gemm(m, n, k, bufs[0], Affine(), lda, trans_a, bufs[1], Affine(), ldb, False,
-                 bufs[2], Affine(), ldc, beta=0.0, panel=(rows, cols, lanes), packed=False,
-                 k_block=block)
-        builder.add_segment(f"trial{i}", [Kernel(f"trial{i}", Block((g,)))])
-        operands.append(bufs)
-    library = target().compile(str(builder.module))
+        gemms.append(Gemm(m, n, k, bufs[0], Affine(), lda, trans_a, bufs[1], Affine(), ldb,
+                          False, bufs[2], Affine(), ldc, beta=0.0, panel=(rows, cols, lanes),
+                          packed=False, k_block=block))
+
+    def module(trials: range) -> str:
+        builder = ModuleBuilder({})
+        for i in trials:
+            g = gemms[i]
+            builder.buffer_index.update({g.a_buf: 0, g.b_buf: 1, g.c_buf: 2})
+            builder.add_segment(f"trial{i}", [Kernel(f"trial{i}", Block((g,)))])
+        return str(builder.module)
+
+    made_of = hashlib.sha256(repr((products, trans_a, vector, l2, compiler_digest())).encode())
+    library = target().library(made_of.hexdigest(), lambda parts: [
+        lambda part=part: module(range(part, len(gemms), parts))
+        for part in range(min(parts, len(gemms)))])
     ratios = []
     with one_blas_thread() as sgemm:
-        for i, ((m, n, k, lda, ldb, ldc), bufs) in enumerate(zip(products, operands)):
-            a, b, c = (np.full((buf.size,), 0.5, np.float32) for buf in bufs)
+        for i, ((m, n, k, lda, ldb, ldc), g) in enumerate(zip(products, gemms)):
+            a, b, c = (np.full((buf.size,), 0.5, np.float32) for buf in (g.a_buf, g.b_buf, g.c_buf))
             table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
             tiled = functools.partial(
                 ctypes.CFUNCTYPE(None, ctypes.c_void_p)(library.address(f"trial{i}")),
