@@ -20,6 +20,7 @@ from latte.compiler.jit import target
 from latte.compiler.microkernel import (
     DOT_COPY,
     MAX_ROWS,
+    busy,
     dot_columns,
     dot_tile,
     in_place_tile,
@@ -231,13 +232,23 @@ def test_an_lstm_step_gets_whole_tiles_on_avx512():
     assert 32 % rows == 0 and 1024 % cols == 0 and rows * cols // 16 >= 16
 
 
-@pytest.mark.parametrize("lanes,registers", [(16, 32), (8, 16)])
 @pytest.mark.parametrize("n,k", [(1024, 512), (512, 2048)])
-def test_packed_panels_get_the_tallest_tiles(lanes, registers, n, k):
-    """A packed panel is read from L2 again for every block of rows: an LSTM step's 32-row
-    products (forward and input gradient) take the tallest tiles, with no padding."""
-    rows, cols = tile(32, n, k, lanes, registers, 512 << 10)
+def test_packed_panels_get_the_tallest_tiles_that_keep_the_fma_pipes_busy(n, k):
+    """A packed panel is read from L2 again for every block of rows: with AVX-512's 32
+    registers an LSTM step's 32-row products (forward and input gradient) take the tallest
+    tiles, with no padding. AVX2's 16 registers hold 8 rows of one vector only: 8
+    accumulators, each waiting on the FMA before it, so tiles of 12 accumulators there."""
+    rows, cols = tile(32, n, k, 16, 32, 512 << 10)
     assert rows == MAX_ROWS and n % cols == 0
+    rows, cols = tile(32, n, k, 8, 16, 512 << 10)
+    assert rows * cols // 8 == 12 and rows < MAX_ROWS
+
+
+def test_busy_counts_the_fma_pipes_loads_and_latency():
+    assert busy(4, 3, 8) == busy(6, 2, 8) == busy(8, 2, 16) == busy(8, 3, 16) == 1.0
+    assert busy(8, 1, 8) == busy(4, 2, 8) == 4 / 6               # latency: 8 accumulators
+    assert busy(1, 6, 16) == 3 / 12                                # L2: the panel's vectors
+    assert busy(2, 1, 8) < busy(8, 1, 8)
 
 
 def _lstm(level: int, threads: int, batch: int = 13, hidden: int = 150) -> Net:

@@ -67,14 +67,14 @@ def tile(m: int, n: int, k: int, lanes: int, registers: int, panel_bytes: int,
     """``(rows, cols)`` of the register tile for an ``m x n`` product over ``k``:
     ``rows * cols / lanes`` accumulators, plus the panel's vectors and a broadcast, fit in
     ``registers``, and a panel (``k x cols`` floats) in ``panel_bytes``; among those, the
-    least padded work, then the most accumulators (which hide the FMA latency), then the
-    fewest loads per FMA, then the widest panel. None if no panel fits. A packed panel is
-    computed whole over its zero padding, and read again from L2 for every block of rows
-    (taller tiles read it fewer times: an LSTM step's 32-row products ran 2% faster in 8-row
-    tiles than in 4-row ones, a GRU's 11%, on an Intel Xeon); one read ``in_place`` is
-    computed only to the vector that holds its last column (or the last whole one, the rest
-    as :func:`dot_columns`), its panels no wider than that, and rows left over by whole
-    tiles by a smaller tile (no padding)."""
+    most useful work (the share not spent on padding) times the share of the FMA units the
+    tile keeps busy (:func:`busy`), then the most rows for a packed panel (computed whole
+    over its zero padding and read again from L2 for every block of rows: an LSTM step's
+    32-row products ran 2% faster in 8-row tiles than in 4-row ones, a GRU's 11%, on an
+    Intel Xeon), then the most accumulators, the fewest loads per FMA, the widest panel.
+    None if no panel fits. One read ``in_place`` is computed only to the vector that holds
+    its last column (or the last whole one, the rest as :func:`dot_columns`), its panels
+    no wider than that, and rows left over by whole tiles by a smaller tile (no padding)."""
     best = None
     widest = -(-(n - dot_columns(n, k, lanes, trans_a)) // lanes) if in_place else 6
     for rows in range(1, min(m, MAX_ROWS) + 1):
@@ -83,16 +83,25 @@ def tile(m: int, n: int, k: int, lanes: int, registers: int, panel_bytes: int,
             if rows * vecs + vecs + 1 > registers or 4 * k * cols > panel_bytes:
                 continue
             if in_place:
-                padded, reread = m * -(-n // lanes) * lanes, 1.0
+                padded = m * -(-n // lanes) * lanes
             else:
                 padded = -(-m // rows) * rows * -(-n // cols) * cols
-                reread = rows / min(m, MAX_ROWS)
-            useful = m * n / padded
-            full = min(rows * vecs, registers // 2) / (registers // 2)
-            key = (round(useful * full * reread, 2), rows * vecs, -(rows + vecs), vecs)
+            key = (round(m * n / padded * busy(rows, vecs, lanes), 2), 0 if in_place else rows,
+                   rows * vecs, -(rows + vecs), vecs)
             if best is None or key > best[0]:
                 best = (key, (rows, cols))
     return None if best is None else best[1]
+
+
+def busy(rows: int, vecs: int, lanes: int) -> float:
+    """The share of two FMA pipes a ``rows x vecs``-vector tile keeps busy, by the cycles a
+    step of ``k`` takes: its ``rows * vecs`` FMAs on two pipes, its loads (a broadcast per
+    row, a vector per column of vectors) on two ports, the panel's vectors from L2 at 32
+    bytes a cycle, and at least 6 cycles, as each accumulator waits for its last FMA (4
+    cycles on these cores; tiles of 8 accumulators ran at 110-124 GFLOP/s where tiles of 12
+    ran at 127-136, on an AMD EPYC core compiling for AVX2)."""
+    fma = rows * vecs / 2
+    return fma / max(fma, (rows + vecs) / 2, vecs * lanes / 8, 6)
 
 
 def dot_tile(m: int, n: int, lanes: int, registers: int) -> tuple[int, int]:
