@@ -107,12 +107,7 @@ def tile_in_place(kernel: Kernel, vector: tuple[int, int], l2: int, shared: int)
     panel must fit half the ``l2``; and the micro-kernel must beat BLAS on this machine
     (:func:`in_place_pays`). B read transposed, along ``k`` as A is (a
     convolution's weight gradient): dot products (:func:`_dot`). Matrix-vector products stay
-    with BLAS, and so does everything on hosts with fewer than 32 vector registers: with
-    AVX2's 16, B's panels read in place ran slower than OpenBLAS's Haswell kernels, and dot
-    products no faster (measured with AVX-512 turned off in LLVM on an AMD EPYC)."""
-    if vector[1] < 32:
-        return kernel
-
+    with BLAS."""
     def tiled(g: Gemm):
         if g.trans_b and not g.panel and min(g.m, g.n) > 1:
             return _dot(g, vector, l2)
@@ -138,8 +133,6 @@ def _in_place_tile(g: Gemm, vector: tuple[int, int], l2: int, shared: int):
 def measure_in_place(kernels: list[Kernel], vector: tuple[int, int], l2: int, shared: int) -> None:
     """Time together every product of ``kernels`` that :func:`in_place_pays` will ask about
     and this machine has not answered yet (:func:`~latte.compiler.trials.measure`)."""
-    if vector[1] < 32:
-        return
     trials.measure([trials.key(g) for kernel in kernels for g in walk(kernel.body)
                     if isinstance(g, Gemm) and timed(g)
                     and _in_place_tile(g, vector, l2, shared) is not None], vector, l2)
