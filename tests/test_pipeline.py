@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
 from latte import Net, add_connections
-from latte.compiler import STEPS
+from latte.compiler import STEPS, pipeline
 from latte.errors import MappingError
 from latte.stdlib import FullyConnectedLayer, MemoryDataLayer, ReLULayer
 
@@ -24,6 +26,29 @@ def test_steps_are_named_with_their_lowest_opt_level():
     assert len(set(names)) == len(names)
     assert names[0] == "analyze" and names[-3:] == ["schedule", "coalesce_loops", "cut_segments"]
     assert {s.name: s.min_opt for s in STEPS}["tile_loops"] == 2
+
+
+def test_the_garbage_collector_is_paused_while_a_net_compiles(monkeypatch):
+    """Off inside ``compile_net`` (its steps run without it), back as it was after: on
+    again, or still off where the caller had turned it off; on again after a failure."""
+    monkeypatch.setenv("LATTE_STORED_PROGRAMS", "0")   # the steps run, not a stored program
+    seen = []
+    step = STEPS[0]
+    monkeypatch.setattr(pipeline, "STEPS", (
+        pipeline.Step(step.name, step.min_opt, lambda c: seen.append(gc.isenabled()) or step.fn(c),
+                      per_kernel=False), *STEPS[1:]))
+    assert gc.isenabled()
+    _mlp().init()
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        _mlp().init()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError), pipeline.collector_paused():
+        raise RuntimeError("a failed compile")
+    assert gc.isenabled()
 
 
 def test_dump_one_step_by_name(capfd, monkeypatch):

@@ -67,7 +67,7 @@ def tile(m: int, n: int, k: int, lanes: int, registers: int, panel_bytes: int,
     """``(rows, cols)`` of the register tile for an ``m x n`` product over ``k``:
     ``rows * cols / lanes`` accumulators, plus the panel's vectors and a broadcast, fit in
     ``registers``, and a panel (``k x cols`` floats) in ``panel_bytes``; among those, the
-    most useful work (the share not spent on padding) times the share of the FMA units the
+    most useful work (the share not spent on padding) times the share of the FMA pipes the
     tile keeps busy (:func:`busy`), then the most rows for a packed panel (computed whole
     over its zero padding and read again from L2 for every block of rows: an LSTM step's
     32-row products ran 2% faster in 8-row tiles than in 4-row ones, a GRU's 11%, on an
@@ -98,8 +98,8 @@ def busy(rows: int, vecs: int, lanes: int) -> float:
     step of ``k`` takes: its ``rows * vecs`` FMAs on two pipes, its loads (a broadcast per
     row, a vector per column of vectors) on two ports, the panel's vectors from L2 at 32
     bytes a cycle, and at least 6 cycles, as each accumulator waits for its last FMA (4
-    cycles on these cores; tiles of 8 accumulators ran at 110-124 GFLOP/s where tiles of 12
-    ran at 127-136, on an AMD EPYC core compiling for AVX2)."""
+    cycles on these cores: AVX2 code's LSTM step ran 1.12x faster in tiles of 12
+    accumulators than of 8, ``benchmarks/lstm.py``: README, session 27)."""
     fma = rows * vecs / 2
     return fma / max(fma, (rows + vecs) / 2, vecs * lanes / 8, 6)
 

@@ -453,17 +453,16 @@ def compile_net(net, opt_level: int = 3, split_segments: bool = False, threads: 
 @contextlib.contextmanager
 def collector_paused():
     """Python's cyclic garbage collector off inside (as it was after). Compiling makes
-    millions of short-lived objects, and each collection they set off walks every live
-    one: on ResNet-50 a third of the passes' time and most of building its LLVM IR. The
-    cyclic garbage (llvmlite's IR) waits for the collector to come back on."""
-    if not gc.isenabled():
-        yield
-        return
+    millions of short-lived objects, and each collection they set off walks every live one
+    (``benchmarks/init_time.py``: README, session 27). The cyclic garbage (llvmlite's IR)
+    waits for the collector to come back on."""
+    enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()
 
 
 def _compile_net(net, opt_level: int, split_segments: bool, threads: int) -> Program:
