@@ -6,6 +6,7 @@ drift between separate runs.
                             [--threads 2] [--repeat 15] [--avx2]
     python benchmarks/ab.py mlp --mode training --var LATTE_DOT
     python benchmarks/ab.py lstm --mode training --var LATTE_PACK
+    python benchmarks/ab.py vgg16 --var LATTE_STREAM --layers
 
 Each net is compiled with ``--var`` set to each of ``--values`` (two or more; the compiler
 reads these variables as it compiles), then they run in turn, ``--repeat`` times each (a
@@ -13,7 +14,10 @@ batch-1 test forward, or a batch-16 forward and backward; the MLP at its batch o
 the medians and their ratios to the first setting's are printed. ``lstm`` and ``gru`` are
 the nets of ``benchmarks/lstm.py``, in training a forward and a backward through their 50
 steps; ``vgg_mini`` is ``benchmarks/vgg_mini.py``'s (batch 64, training: forward and backward).
-``--avx2`` compiles for an AVX2 host on this one (``LATTE_TARGET=avx2``: LLVM's target
+``--layers`` (zoo nets) compiles them with one native segment per ensemble or fused group
+and prints, per segment, its median milliseconds and share of the machine's peak under each
+setting (``latte run --profile``'s rows, measured alternately too). ``--avx2`` compiles
+for an AVX2 host on this one (``LATTE_TARGET=avx2``: LLVM's target
 without AVX-512, tiles for 16 registers of 256 bits, OpenBLAS's Haswell kernels).
 """
 
@@ -39,11 +43,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--avx2", action="store_true")
+    ap.add_argument("--layers", action="store_true", help="zoo nets: each segment's time too")
     args = ap.parse_args()
     if len(args.values) < 2:
         ap.error("--values takes two or more settings")
     if args.net == "vgg_mini" and args.mode != "training":
         ap.error("vgg_mini runs in --mode training (its data layer has no test set)")
+    if args.layers and args.net in ("mlp", "vgg_mini", "lstm", "gru"):
+        ap.error("--layers times the zoo nets")
     if args.avx2:   # before anything is compiled
         os.environ["LATTE_TARGET"] = "avx2"
     from lstm import latte_net as latte_rnn  # noqa: PLC0415
@@ -54,23 +61,32 @@ def main() -> None:
     from latte import Phase  # noqa: PLC0415
 
     training = args.mode == "training"
-    runs = {}
+    runs, nets = {}, {}
     for value in args.values:
         os.environ[args.var] = value
-        net = (latte_mlp(BATCH, args.threads) if args.net == "mlp"
-               else latte_vgg_mini(args.threads) if args.net == "vgg_mini"
-               else latte_rnn(args.net, args.threads) if args.net in ("lstm", "gru")
-               else latte_net(args.net, 224, MODES[args.mode], training, args.threads)[0])
+        net = nets[value] = (
+            latte_mlp(BATCH, args.threads) if args.net == "mlp"
+            else latte_vgg_mini(args.threads) if args.net == "vgg_mini"
+            else latte_rnn(args.net, args.threads) if args.net in ("lstm", "gru")
+            else latte_net(args.net, 224, MODES[args.mode], training, args.threads,
+                           profile=args.layers)[0])
         runs[value] = ((lambda n=net: (n.forward(), n.backward())) if training
                        else (lambda n=net: n.forward(Phase.TEST)))
     for fn in runs.values():
         fn(), fn()
     times = {value: [] for value in runs}
+    rows = {value: {} for value in runs}   # per setting, segment -> ms of each run
+    phases = ("forward", "backward") if training else ("test",)
     for _ in range(args.repeat):
         for value, fn in runs.items():
+            if args.layers:
+                nets[value].profile.reset()
             start = time.perf_counter()
             fn()
             times[value].append(time.perf_counter() - start)
+            if args.layers:
+                for row, ms in nets[value].profile.ms_per_call().items():
+                    rows[value].setdefault(row, []).append(sum(ms[p] for p in phases))
     ms = {value: statistics.median(t) * 1e3 for value, t in times.items()}
     print(f"{args.net} {args.mode}, {args.threads} threads, median of {args.repeat}; "
           f"{machine()}{'; compiled as for AVX2' if args.avx2 else ''}")
@@ -79,6 +95,28 @@ def main() -> None:
     first = args.values[0]
     for value in args.values[1:]:
         print(f"  {args.var}={first} / {args.var}={value}: {ms[first] / ms[value]:.3f}")
+    if args.layers:
+        print(_segments(args, nets, rows, phases))
+
+
+def _segments(args, nets: dict, rows: dict, phases: tuple[str, ...]) -> str:
+    """Per segment (in the first setting's order), its median ms and % of the peak under
+    each setting."""
+    from latte.compiler.machine import peak  # noqa: PLC0415
+
+    top = peak().at(args.threads) * 1e9
+    names = list(rows[args.values[0]])
+    width = max(len(n) for n in names)
+    lines = [f"  {'segment':<{width}} " + " ".join(f"{args.var + '=' + v:>24}" for v in args.values)]
+    for name in names:
+        cells = []
+        for value in args.values:
+            ms = statistics.median(rows[value].get(name, [0.0]))
+            flops = sum(nets[value].profile.flops.get(name, {}).get(p, 0) for p in phases)
+            share = f"{flops / (ms / 1e3) / top:6.1%}" if flops and ms else "     -"
+            cells.append(f"{ms:>14.3f} ms {share}")
+        lines.append(f"  {name:<{width}} " + " ".join(cells))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

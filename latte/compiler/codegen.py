@@ -133,7 +133,7 @@ class ModuleBuilder:
         bias's), one per module for all products alike (never inlined: compiled once)."""
         biased = g.bias_buf is not None
         key = (g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.alpha, g.beta, g.trans_a, g.trans_b, g.packed,
-               g.panel, g.k_block, biased, g.bias_rows, g.relu)
+               g.panel, g.k_block, biased, g.bias_rows, g.relu, g.stream)
         fn = self._tiled.get(key)
         if fn is None:
             fn = self._tiled[key] = self.function(f"tiled{len(self._tiled)}", 3 + biased, [])
@@ -143,6 +143,8 @@ class ModuleBuilder:
             emitter = _KernelEmitter(self, fn, {}, None)
             microkernel.emit(emitter.b, g, *fn.args[:3], fma, emitter.counted,
                              bias=fn.args[3] if biased else None)
+            if g.stream:   # its non-temporal stores seen before the caller's next one
+                emitter.b.call(self.declare("llvm.x86.sse.sfence", ir.VoidType(), []), [])
             emitter.b.ret_void()
         return fn
 

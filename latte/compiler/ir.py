@@ -306,7 +306,9 @@ class Gemm(Stmt):
     runs B in place ``k_block`` rows at a time (0: all of ``k`` at once). A tiled
     product with a ``bias_buf`` then adds ``bias_buf[bias_off + j]`` to each element of
     column ``j`` (with ``bias_rows``, ``bias_buf[bias_off + i]`` to row ``i``), and with
-    ``relu`` stores ``max(x, 0)`` (:mod:`latte.compiler.passes.bias`).
+    ``relu`` stores ``max(x, 0)`` (:mod:`latte.compiler.passes.bias`); with ``stream`` (the
+    alignment of their addresses), its full vectors past the caches
+    (:mod:`latte.compiler.passes.stream`).
     """
 
     m: int
@@ -332,6 +334,7 @@ class Gemm(Stmt):
     bias_rows: bool = False
     relu: bool = False
     k_block: int = 0
+    stream: int = 0
 
     @property
     def b_rows(self) -> int:

@@ -348,7 +348,11 @@ def _store(b, g, at, acc, count: int, fma, bias) -> None:
         ptr = b.bitcast(at, vec.as_pointer())
         if g.beta != 0.0:
             acc = b.call(fma, [_splat(b, ir.Constant(F32, g.beta), vec), b.load(ptr, align=4), acc])
-        b.store(_finish(b, g, acc, bias), ptr, align=4)
+        if g.stream:   # :mod:`latte.compiler.passes.stream`
+            store = b.store(_finish(b, g, acc, bias), ptr, align=g.stream)
+            store.set_metadata("nontemporal", b.module.add_metadata([ir.IntType(32)(1)]))
+        else:
+            b.store(_finish(b, g, acc, bias), ptr, align=4)
         return
     for lane in range(count):   # a last partial panel: the lanes that lie in C
         ptr = b.gep(at, [_i64(lane)])

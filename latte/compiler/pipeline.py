@@ -53,6 +53,7 @@ from latte.compiler.passes.coalesce import coalesce_loops
 from latte.compiler.passes.gather_grads import gather_input_grads
 from latte.compiler.passes.guards import split_guards
 from latte.compiler.passes.pack import measure_in_place, pack_weights, tile_in_place
+from latte.compiler.passes.stream import stream_stores
 from latte.compiler.passes.time_hoist import hoist_param_grads
 from latte.compiler.passes.unswitch import unswitch_neuron_loops
 from latte.compiler.passes.winograd import winograd
@@ -323,14 +324,14 @@ def _schedule(c: Compilation) -> None:
                         fused_steps=c.fused_steps, joins=c.joins)
 
 
-def _coalesce_loops(c: Compilation) -> None:
-    """Every scheduled kernel and plan kernel with its coalescible loops merged (a kernel
-    two phases share stays shared)."""
+def _every_scheduled(c: Compilation, fn: Callable[[Kernel], Kernel]) -> None:
+    """Every scheduled kernel and plan kernel replaced by ``fn`` of it (a kernel two phases
+    share stays shared)."""
     done: dict[int, Kernel] = {}
 
     def kernel(k: Kernel) -> Kernel:
         if id(k) not in done:
-            done[id(k)] = coalesce_loops(k)
+            done[id(k)] = fn(k)
         return done[id(k)]
 
     def steps(items: list) -> list:
@@ -401,7 +402,11 @@ STEPS = (
     Step("schedule", 0, _schedule, per_kernel=False),
     # nested loops that walk every buffer as one run: one loop LLVM vectorizes whole (after
     # the test forward's line buffers, which read the rows of the nests)
-    Step("coalesce_loops", 1, _coalesce_loops, per_kernel=False),
+    Step("coalesce_loops", 1, lambda c: _every_scheduled(c, coalesce_loops), per_kernel=False),
+    # a store-bound product writing more than the L2s hold (the line buffers placed): its
+    # tiles stored past the caches
+    Step("stream_stores", 2, lambda c: _every_scheduled(c, lambda k: stream_stores(k, c.bufs, c.budget)),
+         per_kernel=False),
     # segments that cost much to compile: consecutive pieces, compiled side by side
     Step("cut_segments", 0, _cut_segments, per_kernel=False),
 )

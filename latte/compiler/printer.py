@@ -101,6 +101,7 @@ def fmt_stmt(s, indent: int = 0) -> list[str]:
         bias = "" if s.bias_buf is None else (f", + {s.bias_buf.name}[{fmt_expr(s.bias_off)}:] per "
                                               f"{'row' if s.bias_rows else 'column'}")
         bias += ", then max(x, 0)" if s.relu else ""
+        bias += ", streamed stores" if s.stream else ""
         return [f"{pad}{call}{ta}, m={s.m}, n={s.n}, k={s.k}, "
                 f"A={s.a_buf.name}[{fmt_expr(s.a_off)}:] lda={s.lda}, "
                 f"B={s.b_buf.name}[{fmt_expr(s.b_off)}:] {b}, "

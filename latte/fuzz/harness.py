@@ -8,7 +8,9 @@ reference one step at a time (from level 0's parameters), skipping entries that 
 near-tie; both comparisons allow each entry the difference that rounding alone makes to it
 (see :func:`_reference_step`). Nets compile with ``LATTE_CHECK_BOUNDS=1``; a third of the
 cases compile the optimized net with each kernel a segment of its own (the pieces that
-``schedule.cut`` makes of costly segments).
+``schedule.cut`` makes of costly segments), and half with every tiled product that stores
+its C whole streaming its stores (:data:`latte.compiler.passes.stream.EVERY`: these nets are
+too small to stream otherwise).
 Mismatches are returned as :class:`Mismatch` records naming their case's seed.
 
 Each entry may differ by a tolerance relative to its array's scale, plus the larger of two
@@ -36,6 +38,7 @@ from latte.compiler import schedule, stored
 from latte.compiler.description import describe
 from latte.compiler.fingerprint import fingerprint
 from latte.compiler.graph_checks import check_graph
+from latte.compiler.passes import stream
 from latte.fuzz.nets import Case, Config, build_case, case_of, config, normal
 from latte.lang import DataEnsemble, NormalizationEnsemble
 from latte.stdlib import DropoutEnsemble
@@ -177,7 +180,7 @@ def _check(seeds: list[int], level: int | None, reference: bool, loss: Callable 
     base, cases = build(seeds, cfg, 0, loss, derived)
     timings["compile0"] = timings.get("compile0", 0.0) + time.process_time() - start
     start = time.process_time()
-    with _pieces(1 if seeds[0] % 3 == 0 else schedule.PIECE_COST):
+    with _pieces(1 if seeds[0] % 3 == 0 else schedule.PIECE_COST), _streaming(seeds[0] % 2 == 1):
         opt, _ = build(seeds, cfg, level, loss, derived)
     timings["compileL"] = timings.get("compileL", 0.0) + time.process_time() - start
     _check_stored(seeds, base, opt)
@@ -231,6 +234,17 @@ def _pieces(cost: int):
         yield
     finally:
         schedule.PIECE_COST = kept
+
+
+@contextlib.contextmanager
+def _streaming(every: bool):
+    """With ``every``, each product whose stores may stream does so meanwhile
+    (:data:`~latte.compiler.passes.stream.EVERY`)."""
+    kept, stream.EVERY = stream.EVERY, every
+    try:
+        yield
+    finally:
+        stream.EVERY = kept
 
 
 def _check_stored(seeds: list[int], base: Net, opt: Net) -> None:
