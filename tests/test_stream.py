@@ -10,7 +10,7 @@ import pytest
 from helpers import assert_scaled_close, set_biases, vector_registers
 
 from latte import Net
-from latte.compiler import Segment, TimeSteps
+from latte.compiler import Segment, TimeSteps, pipeline
 from latte.compiler.ir import Gemm, walk
 from latte.compiler.passes import stream
 from latte.compiler.pipeline import llvm_ir
@@ -77,19 +77,26 @@ def _same(streamed: Net, cached: Net, base: Net) -> None:
         np.testing.assert_array_equal(q.grad, p.grad)
 
 
+def _caches(monkeypatch, l3: int) -> None:
+    """Compile as for a core with a 1 MiB L2 and an L3 of ``l3`` bytes."""
+    monkeypatch.setattr(pipeline, "cache_sizes", lambda: {1: 32 << 10, 2: 1 << 20, 3: l3})
+
+
 @pytest.fixture
 def tiled(monkeypatch):
     """Products tiled on any host, with 16-float vectors (wider vectors are correct
-    anywhere; whatever this machine's trials say)."""
+    anywhere; whatever this machine's trials say), and a 32 MiB L3."""
     vector_registers(monkeypatch, 512, 32)
     monkeypatch.setenv("LATTE_IN_PLACE", "1")
+    _caches(monkeypatch, 32 << 20)
     return monkeypatch
 
 
 def test_a_first_convolution_streams_its_output_with_the_same_bits(tiled):
     """One input channel: 9 multiply-adds per output, 25.7 MB written by the forward (more
-    than two L2s on any machine), each vector on a 64-byte boundary (224 columns, 16-float
-    vectors). Two threads write rows the pooling then reads across them."""
+    than the two L2s), the program's buffers more than the L3, each vector on a 64-byte
+    boundary (224 columns, 16-float vectors). Two threads write rows the pooling then reads
+    across them."""
     streamed = _conv(3)
     tiled.setenv("LATTE_STREAM", "0")
     cached, base = _conv(3), _conv(0)
@@ -102,10 +109,14 @@ def test_a_first_convolution_streams_its_output_with_the_same_bits(tiled):
     _same(streamed, cached, base)
 
 
-@pytest.mark.parametrize("channels,size", [(64, 224), (1, 32)])
-def test_products_with_much_work_or_a_small_output_store_through_the_caches(tiled, channels, size):
+@pytest.mark.parametrize("channels,size,l3", [(64, 224, 32 << 20), (1, 32, 1 << 20),
+                                              (1, 224, 1 << 30)])
+def test_products_with_much_work_or_a_small_output_store_through_the_caches(tiled, channels,
+                                                                            size, l3):
     """64 input channels: 576 multiply-adds per output hide the stores; 32 x 32 images:
-    512 KB written, which the caches hold for the pooling."""
+    512 KB written, which the L2s hold for the pooling (the program outgrowing a 1 MiB L3);
+    a 1 GiB L3 holds the whole program from one run to the next."""
+    _caches(tiled, l3)
     assert "c1.value" not in _streamed(_conv(3, channels, size))
 
 

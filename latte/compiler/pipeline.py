@@ -53,7 +53,7 @@ from latte.compiler.passes.coalesce import coalesce_loops
 from latte.compiler.passes.gather_grads import gather_input_grads
 from latte.compiler.passes.guards import split_guards
 from latte.compiler.passes.pack import measure_in_place, pack_weights, tile_in_place
-from latte.compiler.passes.stream import stream_stores
+from latte.compiler.passes.stream import store_budget, stream_stores
 from latte.compiler.passes.time_hoist import hoist_param_grads
 from latte.compiler.passes.unswitch import unswitch_neuron_loops
 from latte.compiler.passes.winograd import winograd
@@ -350,6 +350,12 @@ def _every_scheduled(c: Compilation, fn: Callable[[Kernel], Kernel]) -> None:
         plan.kernels = {phase: kernel(k) for phase, k in plan.kernels.items()}
 
 
+def _stream_stores(c: Compilation) -> None:
+    """Every scheduled kernel with its store-bound products streaming their stores."""
+    budget = store_budget(c.bufs, cache_sizes())
+    _every_scheduled(c, lambda k: stream_stores(k, c.bufs, budget))
+
+
 def _cut_segments(c: Compilation) -> None:
     """Every phase's segments as :func:`~latte.compiler.schedule.cut` leaves them."""
     p = c.program
@@ -405,8 +411,7 @@ STEPS = (
     Step("coalesce_loops", 1, lambda c: _every_scheduled(c, coalesce_loops), per_kernel=False),
     # a store-bound product writing more than the L2s hold (the line buffers placed): its
     # tiles stored past the caches
-    Step("stream_stores", 2, lambda c: _every_scheduled(c, lambda k: stream_stores(k, c.bufs, c.budget)),
-         per_kernel=False),
+    Step("stream_stores", 2, _stream_stores, per_kernel=False),
     # segments that cost much to compile: consecutive pieces, compiled side by side
     Step("cut_segments", 0, _cut_segments, per_kernel=False),
 )

@@ -7,10 +7,12 @@ memory (the core owns it before writing) and evicts another, often dirty, on its
 non-temporal store writes the line to memory without reading it or filling the caches.
 Where the product does at most ``2 * lanes`` multiply-adds per element (then at peak it
 writes a byte or more a cycle per core; at 32 and more the product's own work hides the
-stores) and the block of C it writes, over the loops that move it, is larger than the L2s
-of all threads (it leaves them before anything reads it), :mod:`latte.compiler.microkernel`
-stores its full vectors non-temporally and fences them before the product returns (a
-block that takes turns in a smaller buffer, a fused group's line buffer, stays). Only
+stores), the block of C it writes, over the loops that move it, is larger than the L2s of
+all threads (it leaves them before anything reads it), and the program's buffers outgrow
+the L3 (else they all stay there from one run to the next, the product's lines too: LeNet's
+15 MiB ran 8% slower streamed), :mod:`latte.compiler.microkernel` stores its full vectors
+non-temporally and fences them before the product returns (a block that takes turns in a
+smaller buffer, a fused group's line buffer, stays). Only
 where every vector it stores is provably aligned to its width (a vector store across two
 lines cannot stream): C's offset and leading dimension multiples of ``lanes`` in a buffer
 that starts on a 64-byte boundary (every buffer but a window into a join's,
@@ -33,13 +35,23 @@ from latte.compiler.ir import Block, Gemm, If, Kernel, Loop
 EVERY = False
 
 
-def stream_stores(kernel: Kernel, bufs: BufferPlan, l2: int) -> Kernel:
-    """``kernel`` with its store-bound tiled products streaming their stores (``stream``:
-    the alignment their vectors' addresses are known to have; see the module); ``l2``: the
-    bytes of one core's L2."""
+def store_budget(bufs: BufferPlan, sizes: dict[int, int]) -> int | None:
+    """The bytes a product may write over its loops before its stores stream: the L2s of
+    all threads where the buffers of the program (``bufs``; their windows share memory)
+    outgrow the L3 (``sizes``: one core's caches by level), else None (nothing streams)."""
     if os.environ.get("LATTE_STREAM") == "0":
+        return None
+    memory = 4 * sum(b.size for b in bufs.buffers.values() if b not in bufs.windows)
+    return bufs.threads * sizes[2] if EVERY or memory > sizes[3] else None
+
+
+def stream_stores(kernel: Kernel, bufs: BufferPlan, budget: int | None) -> Kernel:
+    """``kernel`` with its store-bound tiled products streaming their stores (``stream``:
+    the alignment their vectors' addresses are known to have; see the module) where they
+    write more than ``budget`` bytes (:func:`store_budget`; None: none streams)."""
+    if budget is None:
         return kernel
-    body = _block(kernel.body, {}, bufs, bufs.threads * l2)
+    body = _block(kernel.body, {}, bufs, budget)
     return kernel if body is kernel.body else replace(kernel, body=body)
 
 
