@@ -10,7 +10,7 @@ writes a byte or more a cycle per core; at 32 and more the product's own work hi
 stores), the block of C it writes, over the loops that move it, is larger than the L2s of
 all threads (it leaves them before anything reads it), and the program's buffers outgrow
 the L3 (else they all stay there from one run to the next, the product's lines too: LeNet's
-15 MiB ran 8% slower streamed), :mod:`latte.compiler.microkernel` stores its full vectors
+15 MiB ran slower streamed), :mod:`latte.compiler.microkernel` stores its full vectors
 non-temporally and fences them before the product returns (a block that takes turns in a
 smaller buffer, a fused group's line buffer, stays). Only
 where every vector it stores is provably aligned to its width (a vector store across two
