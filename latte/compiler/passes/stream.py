@@ -12,11 +12,11 @@ all threads (it leaves them before anything reads it), and the program's buffers
 the L3 (else they all stay there from one run to the next, the product's lines too: LeNet's
 15 MiB ran slower streamed), :mod:`latte.compiler.microkernel` stores its full vectors
 non-temporally and fences them before the product returns (a block that takes turns in a
-smaller buffer, a fused group's line buffer, stays). Only
-where every vector it stores is provably aligned to its width (a vector store across two
-lines cannot stream): C's offset and leading dimension multiples of ``lanes`` in a buffer
-that starts on a 64-byte boundary (every buffer but a window into a join's,
-:mod:`latte.aligned`). ``LATTE_STREAM=0`` turns it off.
+smaller buffer, a fused group's line buffer, stays). Only where every vector it stores is
+provably aligned to its width (a vector store across two lines cannot stream): C's offset
+and leading dimension multiples of ``lanes`` in a buffer that starts on a 64-byte boundary
+(every buffer but a window into a join's, :mod:`latte.aligned`). ``LATTE_STREAM=0`` turns
+it off.
 """
 
 from __future__ import annotations
