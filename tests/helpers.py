@@ -120,6 +120,22 @@ def fill_labels(net, ens, n_classes: int, rng: np.random.Generator) -> np.ndarra
     return y
 
 
+def run_alike(nets, classes: int) -> None:
+    """The same parameters (the first net's, its biases drawn), inputs ``x`` and labels (of
+    ``classes`` classes) into each net, then a forward and a backward."""
+    rng = np.random.default_rng(0)
+    set_biases(nets[0], rng)
+    x = rng.standard_normal(nets[0].value("x").shape).astype(np.float32)
+    labels = rng.integers(0, classes, nets[0].value("label").shape)
+    for net in nets:
+        for p, q in zip(nets[0].params, net.params, strict=True):
+            q.value[...] = p.value
+        net.value("x")[...] = x
+        net.value("label")[...] = labels
+        net.forward()
+        net.backward()
+
+
 def assert_scaled_close(actual, expected, rtol: float, what: str) -> None:
     """``max |actual - expected| <= rtol * max |expected|``: a tolerance relative to the
     array's scale, for float32 results of long computations checked against float64 (where

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from helpers import assert_scaled_close, set_biases, vector_registers
+from helpers import assert_scaled_close, run_alike, vector_registers
 
 from latte import Net
 from latte.compiler import Segment, TimeSteps
@@ -97,21 +97,6 @@ def _convnet(level: int, threads: int = 2) -> Net:
     return net
 
 
-def _run(nets: list[Net], x_shape_classes: int) -> None:
-    """The same parameters, inputs and labels into each net, then forward and backward."""
-    rng = np.random.default_rng(0)
-    set_biases(nets[0], rng)
-    x = rng.standard_normal(nets[0].value("x").shape).astype(np.float32)
-    labels = rng.integers(0, x_shape_classes, nets[0].value("label").shape)
-    for net in nets:
-        for p, q in zip(nets[0].params, net.params, strict=True):
-            q.value[...] = p.value
-        net.value("x")[...] = x
-        net.value("label")[...] = labels
-        net.forward()
-        net.backward()
-
-
 @pytest.mark.parametrize("build,classes,outputs,folds", [
     (_mlp, 10, ("fc1", "fc2", "out"), ("fc1", "fc2")),
     (_lstm, 6, ("lstm", "out"), ("lstm.hh", "out")),
@@ -132,7 +117,7 @@ def test_folded_biases_give_the_same_bits(monkeypatch, build, classes, outputs, 
     assert not _biased(apart) and not _biased(folded) & _bias_nests(folded)
     assert _biased(folded) | _bias_nests(folded) == _bias_nests(apart)
     assert {f"{name}.bias" for name in folds} <= _biased(folded)
-    _run([base, folded, apart], classes)
+    run_alike([base, folded, apart], classes)
     for name in outputs:
         np.testing.assert_array_equal(folded.value(name), apart.value(name))
         assert_scaled_close(folded.value(name), base.value(name), 1e-5, f"{name} values")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_scaled_close, set_biases, vector_registers
+from helpers import assert_scaled_close, run_alike, vector_registers
 
 from latte import Net
 from latte.compiler import Segment, TimeSteps, pipeline
@@ -54,21 +54,6 @@ def _llvm(net: Net) -> str:
     return "".join(module() for module in llvm_ir(p.segments(), p.buffer_index(), 2))
 
 
-def _run(nets: list[Net]) -> None:
-    """The same parameters, images and labels into each net, then forward and backward."""
-    rng = np.random.default_rng(0)
-    set_biases(nets[0], rng)
-    x = rng.standard_normal(nets[0].value("x").shape).astype(np.float32)
-    labels = rng.integers(0, 10, nets[0].value("label").shape)
-    for net in nets:
-        for p, q in zip(nets[0].params, net.params, strict=True):
-            q.value[...] = p.value
-        net.value("x")[...] = x
-        net.value("label")[...] = labels
-        net.forward()
-        net.backward()
-
-
 def _same(streamed: Net, cached: Net, base: Net) -> None:
     for name in ("c1", "r1", "pool", "out"):
         np.testing.assert_array_equal(streamed.value(name), cached.value(name))
@@ -105,7 +90,7 @@ def test_a_first_convolution_streams_its_output_with_the_same_bits(tiled):
     code = _llvm(streamed)
     assert "align 64, !nontemporal" in code and "call void @\"llvm.x86.sse.sfence\"()" in code
     assert "nontemporal" not in _llvm(cached)
-    _run([base, cached, streamed])
+    run_alike([base, cached, streamed], 10)
     _same(streamed, cached, base)
 
 
@@ -130,5 +115,5 @@ def test_the_random_testers_switch_streams_unaligned_products_with_the_same_bits
     cached, base = _conv(3, 3, 15), _conv(0, 3, 15)
     assert _streamed(streamed).get("c1.value") == 4
     assert not _streamed(cached)
-    _run([base, cached, streamed])
+    run_alike([base, cached, streamed], 10)
     _same(streamed, cached, base)
