@@ -180,7 +180,8 @@ def _check(seeds: list[int], level: int | None, reference: bool, loss: Callable 
     base, cases = build(seeds, cfg, 0, loss, derived)
     timings["compile0"] = timings.get("compile0", 0.0) + time.process_time() - start
     start = time.process_time()
-    with _pieces(1 if seeds[0] % 3 == 0 else schedule.PIECE_COST), _streaming(seeds[0] % 2 == 1):
+    pieces = 1 if seeds[0] % 3 == 0 else schedule.PIECE_COST   # each kernel a segment
+    with _set(schedule, "PIECE_COST", pieces), _set(stream, "EVERY", seeds[0] % 2 == 1):
         opt, _ = build(seeds, cfg, level, loss, derived)
     timings["compileL"] = timings.get("compileL", 0.0) + time.process_time() - start
     _check_stored(seeds, base, opt)
@@ -227,24 +228,15 @@ def _check(seeds: list[int], level: int | None, reference: bool, loss: Callable 
 
 
 @contextlib.contextmanager
-def _pieces(cost: int):
-    """Segments cut at ``cost`` (:data:`~latte.compiler.schedule.PIECE_COST`) meanwhile."""
-    kept, schedule.PIECE_COST = schedule.PIECE_COST, cost
+def _set(owner, name: str, value):
+    """``owner.name`` (a module's setting: :data:`~latte.compiler.schedule.PIECE_COST`,
+    :data:`~latte.compiler.passes.stream.EVERY`) set to ``value`` meanwhile."""
+    kept = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        schedule.PIECE_COST = kept
-
-
-@contextlib.contextmanager
-def _streaming(every: bool):
-    """With ``every``, each product whose stores may stream does so meanwhile
-    (:data:`~latte.compiler.passes.stream.EVERY`)."""
-    kept, stream.EVERY = stream.EVERY, every
-    try:
-        yield
-    finally:
-        stream.EVERY = kept
+        setattr(owner, name, kept)
 
 
 def _check_stored(seeds: list[int], base: Net, opt: Net) -> None:
