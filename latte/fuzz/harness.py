@@ -53,6 +53,7 @@ ATOL = 1e-5                     # float32 rounding of what an array's tiny entri
 NUDGE = 1e-5                    # a nudge that shows which entries hang on a near-tie
 JITTER = 4 * 2.0**-24           # a perturbation of every computed value, the size of what
                                 # float32 rounds it by (2**-24 at most; exp, tanh: 2 ulp)
+JITTER_PAIRS = 3                # jittered references of opposite signs, each pair its own draws
 
 
 @dataclass(frozen=True)
@@ -161,9 +162,9 @@ def check_cases(seeds: list[int], *, level: int | None = None, reference: bool =
 
     The cases run first against the bounded reference alone, which allows each entry its
     window but no spread and skips no fragile entry (:func:`_reference_step`): every
-    allowance the other four references make widens a bound or skips an entry, and they
-    change nothing else, so what passes so passes with them. Only where something differs
-    do the cases run again with all five, and that run decides."""
+    allowance the others make widens a bound or skips an entry, and they change nothing
+    else, so what passes so passes with them. Only where something differs do the cases run
+    again with all of them, and that run decides."""
     found = _check(seeds, level, reference, loss, derived, timings, full=False)
     if found and reference:
         found = _check(seeds, level, reference, loss, derived, timings, full=True)
@@ -172,7 +173,7 @@ def check_cases(seeds: list[int], *, level: int | None = None, reference: bool =
 
 def _check(seeds: list[int], level: int | None, reference: bool, loss: Callable | None,
            derived: float, timings: dict | None, full: bool) -> list[Mismatch]:
-    """:func:`check_cases`'s run, with the bounded reference alone or (``full``) all five."""
+    """:func:`check_cases`'s run, with the bounded reference alone or (``full``) all of them."""
     cfg = config(seeds[0])
     level = cfg.level if level is None else level
     timings = {} if timings is None else timings
@@ -313,17 +314,18 @@ def _past(want, spread: np.ndarray | None, tol: float) -> np.ndarray:
 
 def _references(net: Net, full: bool) -> list | None:
     """The reference interpreters (or None while ``latte.reference`` is not there): one for
-    the comparison, which bounds float32's rounding, and with ``full`` four more, two that
-    run on inputs and parameters nudged by +-NUDGE, two that perturb every value they
-    compute by +-JITTER."""
+    the comparison, which bounds float32's rounding, and with ``full`` more: two that run
+    on inputs and parameters nudged by +-NUDGE, and ``JITTER_PAIRS`` pairs that perturb
+    every value they compute by +-JITTER."""
     try:
         from latte.reference import Reference
     except ImportError:
         return None
     if not full:
         return [Reference(net, bounds=True)]
-    refs = [Reference(net, bounds=True), *(Reference(net) for _ in range(4))]
-    refs[3].jitter, refs[4].jitter = JITTER, -JITTER
+    refs = [Reference(net, bounds=True), *(Reference(net) for _ in range(2 + 2 * JITTER_PAIRS))]
+    for i, ref in enumerate(refs[3:]):
+        ref.jitter = JITTER if i % 2 == 0 else -JITTER
     return refs
 
 
@@ -335,10 +337,12 @@ def _reference_step(out: list, refs: list, base: Net, feed: dict, labels: set, s
     references move each entry, what rounding alone may change (an exact tie or an ``if``
     on a sum that is zero but for rounding moves all the way to the other side; a sum of
     large terms that cancel, as far as their rounding goes); an entry may differ by that
-    much more than the bound. The two break a tie two ways: one among more entries may go
+    much more than the bound. A pair breaks a tie two ways: one among more entries may go
     to a third (case 4794). Their moves add up: with the same draws of opposite signs, each
     of several lanes' ties flips in one of the two, and float32 may flip them all (case
-    39760: two neurons' ``min(a2, 0.5)`` ties each send a gradient to one input). Entries
+    39760: two neurons' ``min(a2, 0.5)`` ties each send a gradient to one input); where
+    many ties' flips compound (through a recurrence: case 49903) float32's combination of
+    them may move an entry further than one pair's, hence pairs with draws of their own. Entries
     on which the nudged references disagree with the plain one, or that rounding moves
     past the bound, are fragile: a max or an ``if`` decides on a near-tie there, which
     float32 and float64 may break differently; level 0's update is not compared there."""
@@ -367,14 +371,16 @@ def _run_references(refs: list, base: Net, feed: dict, labels: set,
                     rng: np.random.Generator, step: int) -> None:
     """One forward and backward of each reference from level 0's state: the plain one, the
     nudged ones (parameters by NUDGE relative, inputs by NUDGE absolute: tiny inputs decide
-    ties too) and the jittered ones (the step's jitter factors, opposite signs)."""
+    ties too) and the jittered ones (pair k draws the factors of seed ``k * (STEPS + 1) +
+    step``, its two references with opposite signs)."""
     arrays = {**{p.name: p.value for p in base.params}, **feed}
     drawn = {k: NUDGE * rng.standard_normal(v.shape) for k, v in arrays.items()} \
         if len(refs) > 1 else {}
     nudge = {k: v for k, v in drawn.items() if k not in labels}   # class indices stay
-    for sign, ref in zip((0, 1, -1, 0, 0), refs):
+    for i, ref in enumerate(refs):
+        sign = (0, 1, -1)[i] if i < 3 else 0
         shift = {k: sign * v for k, v in nudge.items()} if sign else {}
-        ref.jitter_seed = step
+        ref.jitter_seed = max(0, i - 3) // 2 * (STEPS + 1) + step
         for p in base.params:
             ref.params[p.name][...] = p.value * (1.0 + shift.get(p.name, 0.0))
             ref.history[p.name][...] = p.history
