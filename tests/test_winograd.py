@@ -1,8 +1,10 @@
-"""Winograd F(2x2, 3x3) (latte/compiler/passes/winograd.py): which nests it takes, and that
-what it computes equals opt level 0 (the direct sums) on odd sizes, padding, batches and
-threads, alone and inside fused groups."""
+"""Winograd F(2x2, 3x3) and F(4x4, 3x3) (latte/compiler/passes/winograd.py): which nests
+they take, and that what they compute equals opt level 0 (the direct sums) on odd sizes,
+padding, batches and threads, alone and inside fused groups."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -19,6 +21,21 @@ def _uses_winograd(net, phases=("forward", "backward", "test")) -> bool:
     return any(g.a_buf.key[0] == "derived" for p in net.program.plans
                for name, k in p.kernels.items() if name in phases
                for g in walk(k.body) if isinstance(g, Gemm))
+
+
+@pytest.fixture(params=["2", "4"], ids=["F2", "F4"])
+def scheme(request, monkeypatch) -> int:
+    """F(2x2, 3x3) or F(4x4, 3x3) wherever Winograd applies (``LATTE_WINOGRAD``): the
+    output tile's side."""
+    monkeypatch.setenv("LATTE_WINOGRAD", request.param)
+    return int(request.param)
+
+
+def _planes(net, phases=("forward", "backward", "test")) -> set[int]:
+    """The transformed tiles' positions (16 or 36) of the Winograd products of ``phases``."""
+    return {g.a_buf.shape[0] for p in net.program.plans for name, k in p.kernels.items()
+            if name in phases for g in walk(k.body)
+            if isinstance(g, Gemm) and g.a_buf.key[0] == "derived"}
 
 
 def _backward_buffers(net) -> set[str]:
@@ -64,11 +81,30 @@ def _conv_relu_pool(net, x):
     ((8, 24, 24), 2, 2, _conv_relu_pool),  # fused with a ReLU and a pool
 ], ids=["whole", "odd", "unpadded", "one-image", "fused"])
 @pytest.mark.parametrize("level", [2, 3])
-def test_winograd_equals_level_0(level, shape, batch, threads, build):
+def test_winograd_equals_level_0(level, shape, batch, threads, build, scheme):
     net, got = _run(level, build, shape, batch, threads)
-    assert _uses_winograd(net)
+    assert _planes(net) == {(scheme + 2) ** 2}
     _, want = _run(0, build, shape, batch, threads)
     _close(got, want)
+
+
+@pytest.mark.parametrize("shape,planes", [
+    ((64, 8, 128), 36),   # 32 4x4 tiles or more a row tile, 64 x 64 channels: F(4x4, 3x3)
+    ((16, 8, 128), 16),   # 16 x 16 channels: too little work a product, F(2x2, 3x3)
+    ((64, 12, 12), 16),   # 9 4x4 tiles: F(2x2, 3x3)
+])
+def test_where_four_by_four_tiles_pay(shape, planes):
+    from latte.compiler.explain import explain_program
+
+    channels = shape[0]
+    net = Net(1, opt_level=2)
+    x = MemoryDataLayer(net, "x", shape)
+    ConvolutionLayer("conv", net, x, channels, 3, pad=1)
+    net.init()
+    assert _planes(net, ("forward",)) == {planes}
+    side = math.isqrt(planes) - 2
+    assert f"Winograd F({side}x{side}, 3x3): the 3x3 window as {planes} GEMMs" in \
+        explain_program(net.program)
 
 
 @pytest.mark.parametrize("size", [1, 16, 17, 4096, 64 * 64, 512 * 512, 10 ** 6 + 3])
@@ -104,9 +140,9 @@ def _user_window(net, x):
     return ens
 
 
-def test_a_user_neuron_with_nonzero_padding():
+def test_a_user_neuron_with_nonzero_padding(scheme):
     net, got = _run(3, _user_window, (8, 12, 12), 2, 2)
-    assert _uses_winograd(net)
+    assert _planes(net) == {(scheme + 2) ** 2}
     _, want = _run(0, _user_window, (8, 12, 12), 2, 2)
     _close(got, want)
 
@@ -151,7 +187,7 @@ def _conv_relu_conv_pool(net, x):
     ((16, 48, 64), 2, 2, _conv_relu_conv_pool),      # at level 3 a fused group, 12 tiles
 ], ids=["one", "odd", "fused"])
 @pytest.mark.parametrize("level", [2, 3])
-def test_input_gradients_as_gathers_equal_level_0(level, shape, batch, threads, build):
+def test_input_gradients_as_gathers_equal_level_0(level, shape, batch, threads, build, scheme):
     """A same-size 3x3 convolution's input gradient is a forward convolution of the output
     gradient with the flipped, transposed weights: Winograd computes it, no scatter-add. In
     the fused group conv2's gather reads the gradient relu1's tiles write one row past its
@@ -164,7 +200,7 @@ def test_input_gradients_as_gathers_equal_level_0(level, shape, batch, threads, 
         assert dict(tile.meta)["skew"] == 2 and tile.extent == 14
     names = _backward_buffers(net)
     assert any("flipped" in n for n in names) and not any("scatter" in n for n in names)
-    assert _uses_winograd(net, ("backward",))
+    assert _planes(net, ("backward",)) == {(scheme + 2) ** 2}
     from latte.compiler.explain import explain_program
 
     assert "input gradient as a gather" in explain_program(net.program)
@@ -185,11 +221,13 @@ def _widths(net, phase: str) -> set[int]:
     ((8, 6, 6), 3, 1, _conv(8, 1), 0),         # 9 tiles: 3 items have 27, too few to pay
 ], ids=["8x8", "7x7", "fused", "6x6"])
 @pytest.mark.parametrize("level", [2, 3])
-def test_small_images_share_products_across_items(level, shape, batch, threads, build, items):
+def test_small_images_share_products_across_items(level, shape, batch, threads, build, items,
+                                                  scheme):
     """An item with too few 2x2 tiles for a product of its own shares one with the next
-    items (forward, the input gradient's gather and the test forward); equals level 0."""
+    items (forward, the input gradient's gather and the test forward); equals level 0.
+    ``LATTE_WINOGRAD=4`` shares them alike, over 4x4 tiles."""
     net, got = _run(level, build, shape, batch, threads)
-    tiles = -(-shape[1] // 2) * -(-shape[2] // 2)
+    tiles = -(-shape[1] // scheme) * -(-shape[2] // scheme)
     if items:
         assert _widths(net, "forward") == _widths(net, "backward") == {items * tiles}
     else:

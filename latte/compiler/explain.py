@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from latte.compiler import HostStep, Segment, TimeSteps, trials
 from latte.compiler.autodiff import derived_backward, format_neuron
 from latte.compiler.fusion import planner_chain
@@ -218,9 +220,11 @@ def explain_program(program) -> str:
                    for r in walk(kernel.body)):
                 out.append("    input gradient as a gather: the output gradient convolved with "
                            "the weights transposed and flipped (copied once per run)")
-            if any(g.a_buf.key[0] == "derived" for g in gemms):
-                out.append("    Winograd F(2x2, 3x3): the 3x3 window as 16 GEMMs over transformed "
-                           "4x4 tiles of the source (weights transformed once per run)")
+            for planes in sorted({g.a_buf.shape[0] for g in gemms if g.a_buf.key[0] == "derived"}):
+                size = math.isqrt(planes)
+                out.append(f"    Winograd F({size - 2}x{size - 2}, 3x3): the 3x3 window as {planes} "
+                           f"GEMMs over transformed {size}x{size} tiles of the source (weights "
+                           "transformed once per run)")
             if any(".wgrad" in g.c_buf.name for g in gemms):
                 out.append("    Winograd F(3x3, 2x2) weight gradient: 16 GEMMs over transformed "
                            "output-gradient and source tiles, summed over the batch, transformed "

@@ -10,7 +10,8 @@ near-tie; both comparisons allow each entry the difference that rounding alone m
 cases compile the optimized net with each kernel a segment of its own (the pieces that
 ``schedule.cut`` makes of costly segments), and half with every tiled product that stores
 its C whole streaming its stores (:data:`latte.compiler.passes.stream.EVERY`: these nets are
-too small to stream otherwise).
+too small to stream otherwise), and the other half with Winograd's 4x4 output tiles wherever
+it takes 2x2 ones (``LATTE_WINOGRAD=4``: few of them have products large enough otherwise).
 Mismatches are returned as :class:`Mismatch` records naming their case's seed.
 
 Each entry may differ by a tolerance relative to its array's scale, plus the larger of two
@@ -30,6 +31,7 @@ import os
 import time
 from dataclasses import dataclass
 from typing import Callable
+from unittest import mock
 
 import numpy as np
 
@@ -182,7 +184,9 @@ def _check(seeds: list[int], level: int | None, reference: bool, loss: Callable 
     timings["compile0"] = timings.get("compile0", 0.0) + time.process_time() - start
     start = time.process_time()
     pieces = 1 if seeds[0] % 3 == 0 else schedule.PIECE_COST   # each kernel a segment
-    with _set(schedule, "PIECE_COST", pieces), _set(stream, "EVERY", seeds[0] % 2 == 1):
+    four = {"LATTE_WINOGRAD": "4"} if seeds[0] % 2 == 0 else {}   # F(4x4, 3x3)'s tiles
+    with _set(schedule, "PIECE_COST", pieces), _set(stream, "EVERY", seeds[0] % 2 == 1), \
+            mock.patch.dict(os.environ, four):
         opt, _ = build(seeds, cfg, level, loss, derived)
     timings["compileL"] = timings.get("compileL", 0.0) + time.process_time() - start
     _check_stored(seeds, base, opt)

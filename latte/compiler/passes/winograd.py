@@ -1,6 +1,7 @@
-"""Winograd convolution F(2x2, 3x3) (Lavin and Gray, CVPR 2016): a 3x3 stride-1 sliding-window
-multiply-accumulate, found on the loop nest as the GEMM match finds its pattern, computed
-as 16 GEMMs over transformed tiles: 2.25x fewer multiplications than the direct sum.
+"""Winograd convolution F(2x2, 3x3) and F(4x4, 3x3) (Lavin and Gray, CVPR 2016): a 3x3
+stride-1 sliding-window multiply-accumulate, found on the loop nest as the GEMM match finds
+its pattern, computed as 16 GEMMs over transformed 4x4 tiles (2.25x fewer multiplications
+than the direct sum) or 36 over 6x6 tiles (4x fewer).
 
 The pattern, on a (tiled) neuron nest ``batch -> [row tile] -> o -> y -> x -> window loops``:
 ``out[.., o, y, x] += w(o, c, ky, kx) * src[.., c, y + ky + a, x + kx + b]`` (the source load
@@ -9,20 +10,26 @@ index depends on ``o`` and the window variables alone, the source channel on ``c
 and the source row (column) advances by one with both ``y`` and ``ky`` (``x`` and ``kx``):
 stride 1, no dilation. Nothing looks at layer types or names.
 
-The rewrite, for ``e`` the 16 positions of a 4x4 transformed tile:
+The rewrite, for F(r x r, 3x3) and ``e`` the positions of an (r + 2) x (r + 2) transformed
+tile (16 or 36):
 
 - ``U[e, o, c] = (G w G^T)[e]``, before the batch loop (the weights change between runs);
 - per (batch item, row tile): the source rows the tile reads copied to a padded tile ``P``
   (through the original guard and padding value, bounds-guarded where a partial tile
   reaches past the source; the guards split off the interior as in data-copy), then
-  ``V[e, c, p] = (B^T d B)[e]`` for the 4x4 patch ``d`` of ``P`` under each 2x2 output
-  tile ``p``;
-- ``M[e] = U[e] @ V[e]``: 16 GEMMs, output channels x tiles, over the input channels (the
-  16 planes of ``U``, ``V`` and ``M`` lie an odd number of cache lines apart: planes a
-  power of two apart put the 16 values a transform reads or writes in one cache set);
-- ``out[.., o, 2ty + i, 2tx + j] += (A^T M A)[i, j]``, guarded where a tile is partial
-  (zero-init folding turns the four ``+=`` of a tile into stores where they cover the
-  output).
+  ``V[e, c, p] = (B^T d B)[e]`` for the patch ``d`` of ``P`` under each r x r output tile
+  ``p``;
+- ``M[e] = U[e] @ V[e]``: a GEMM per ``e``, output channels x tiles, over the input
+  channels (the planes of ``U``, ``V`` and ``M`` lie an odd number of cache lines apart:
+  planes a power of two apart put the values a transform reads or writes in one cache set);
+- ``out[.., o, r ty + i, r tx + j] += (A^T M A)[i, j]``, guarded where a tile is partial
+  (zero-init folding turns the ``+=`` of a tile into stores where they cover the output).
+
+Each transform is computed a factor at a time (``B^T d``, then times ``B``: the 6x6 input
+transform adds 288 terms, not 484). F(4x4, 3x3) takes a convolution whose row tile holds
+``WIDE_TILES`` 4x4 tiles and whose products do ``WIDE_WORK`` multiply-adds (36 narrower
+products: where they are too small, as 64 channels over 28 tiles, the calls and transforms
+cost more than the multiplications saved); the others F(2x2, 3x3).
 
 An item with too few tiles for a product of its own (a deep layer's 8x8 or 7x7 image, in
 one row tile) shares its products with the next items of the batch: the batch loop runs
@@ -40,12 +47,14 @@ back by ``A3`` into the 3x3 weights: 16 products over 4 pixels' worth of tiles i
 over the pixels, and ``M`` is transformed once per pass, not per item.
 
 It is used where it pays (:func:`match`: enough channels and tiles), at opt level 2 and up;
-``LATTE_WINOGRAD=0`` turns it off (im2col + GEMM, as for every other window).
+``LATTE_WINOGRAD=0`` turns it off (im2col + GEMM, as for every other window),
+``LATTE_WINOGRAD=2`` keeps it to F(2x2, 3x3), ``LATTE_WINOGRAD=4`` takes F(4x4, 3x3)
+wherever it takes F(2x2, 3x3) (for tests).
 
-In exact arithmetic this is the direct sum; in float32 the transforms (sums of at most 16
-terms with weights 1 and 1/2) add rounding of the order of the terms summed, well within
+In exact arithmetic this is the direct sum; in float32 the transforms (sums of a few terms
+with weights from 1/24 to 8) add rounding of the order of the terms summed, well within
 1e-4 of the output's scale for weights and inputs of like magnitude (the tests and the random
-tester check it against opt level 0).
+tester check both schemes against opt level 0).
 """
 
 from __future__ import annotations
@@ -81,15 +90,46 @@ from latte.compiler.ir import (
 from latte.compiler.passes.data_copy import conj, gather, nest, variables
 from latte.compiler.passes.tiling import ensemble_chain, is_batch_loop
 
-BT = ((1, 0, -1, 0), (0, 1, 1, 0), (0, -1, 1, 0), (0, 1, 0, -1))       # input transform B^T
-G = ((1, 0, 0), (0.5, 0.5, 0.5), (0.5, -0.5, 0.5), (0, 0, 1))          # weight transform
-AT = ((1, 1, 1, 0), (0, 1, -1, -1))                                    # output transform A^T
+
+@dataclass(frozen=True)
+class Scheme:
+    """F(out x out, 3x3): its input (``BT``: B^T), weight (``G``) and output (``AT``: A^T)
+    transforms, over tiles of ``size = out + 2``."""
+
+    out: int
+    BT: tuple
+    G: tuple
+    AT: tuple
+
+    @property
+    def size(self) -> int:
+        return self.out + 2
+
+    @property
+    def planes(self) -> int:
+        """Positions of a transformed tile: the products per pass."""
+        return self.size * self.size
+
+
+F2 = Scheme(2, BT=((1, 0, -1, 0), (0, 1, 1, 0), (0, -1, 1, 0), (0, 1, 0, -1)),
+            G=((1, 0, 0), (0.5, 0.5, 0.5), (0.5, -0.5, 0.5), (0, 0, 1)),
+            AT=((1, 1, 1, 0), (0, 1, -1, -1)))
+# F(4x4, 3x3) over the points 0, 1, -1, 2, -2 and infinity (Lavin and Gray's matrices)
+F4 = Scheme(4, BT=((4, 0, -5, 0, 1, 0), (0, -4, -4, 1, 1, 0), (0, 4, -4, -1, 1, 0),
+                   (0, -2, -1, 2, 1, 0), (0, 2, -1, -2, 1, 0), (0, 4, 0, -5, 0, 1)),
+            G=((1 / 4, 0, 0), (-1 / 6, -1 / 6, -1 / 6), (-1 / 6, 1 / 6, -1 / 6),
+               (1 / 24, 1 / 12, 1 / 6), (1 / 24, -1 / 12, 1 / 6), (0, 0, 1)),
+            AT=((1, 1, 1, 1, 1, 0), (0, 1, -1, 2, -2, 0), (0, 1, 1, 4, 4, 0),
+                (0, 1, -1, 8, -8, 1)))
 G2 = ((1, 0), (0.5, 0.5), (0.5, -0.5), (0, -1))      # F(3x3, 2x2), with B^T: a 2x2 gradient tile
 AT3 = ((1, 1, 1, 0), (0, 1, -1, 0), (0, 1, 1, 1))    # and its output transform
-TILES = 16          # positions of a transformed 4x4 tile
+TILES = F2.planes   # positions of F(3x3, 2x2)'s transformed 4x4 tile
 MIN_CHANNELS = 8    # input channels from which Winograd beats im2col + GEMM (measured here:
 MIN_TILES = 32      # 3 channels lose, 8 win; 7x7 outputs, 16 tiles, lose at 512 channels)
 ITEM_TILES = 64     # tiles a product of several items' tiles takes
+WIDE_TILES = 24     # F(4x4, 3x3): 4x4 tiles an item's row tile needs and multiply-adds
+WIDE_WORK = 2**17   # per product (measured here: VGG-16 and ResNet-18's 128 channels over
+                    # 28 tiles win, 64 channels over 28 tiles and 512 over 16 lose)
 
 
 @dataclass(frozen=True)
@@ -110,21 +150,25 @@ class Conv:
     guard: Expr | None      # the source load's padding guard
     pad: Expr               # what the source reads where the guard fails
     items: int = 1          # batch items whose tiles one product takes
+    scheme: Scheme = F2     # F(2x2, 3x3) or F(4x4, 3x3)
 
     @property
     def tiles(self) -> tuple[int, int]:
-        """2x2 output tiles down and across one row tile."""
-        return -(-self.y.extent // 2), -(-self.x.extent // 2)
+        """Output tiles down and across one row tile."""
+        r = self.scheme.out
+        return -(-self.y.extent // r), -(-self.x.extent // r)
 
 
 def winograd(kernel: Kernel, bufs) -> Kernel:
-    """Every matching nest of ``kernel`` computed by Winograd F(2x2, 3x3) (in backward: an
-    input gradient computed as a gather, :mod:`~latte.compiler.passes.gather_grads`)."""
-    if os.environ.get("LATTE_WINOGRAD") == "0":
+    """Every matching nest of ``kernel`` computed by Winograd (in backward: an input gradient
+    computed as a gather, :mod:`~latte.compiler.passes.gather_grads`)."""
+    setting = os.environ.get("LATTE_WINOGRAD")
+    if setting == "0":
         return kernel
     stmts = []
     for k, s in enumerate(kernel.body.stmts):
-        conv = match(s) if is_batch_loop(s) else None
+        conv = match(s, {"2": "never", "4": "always"}.get(setting, "where it pays")) \
+            if is_batch_loop(s) else None
         grads = match_weight_grad(s) if is_batch_loop(s) and conv is None else None
         if conv is not None:
             stmts += _rewrite(conv, bufs, (kernel.name, k))
@@ -135,16 +179,26 @@ def winograd(kernel: Kernel, bufs) -> Kernel:
     return replace(kernel, body=Block(tuple(stmts)))
 
 
-def match(nest: Loop) -> Conv | None:
+def match(nest: Loop, wide: str = "where it pays") -> Conv | None:
     """``nest`` as a :class:`Conv`, if it is one and Winograd pays for it: at least
     ``MIN_CHANNELS`` input channels (the GEMMs' depth) and ``MIN_TILES`` output tiles per
     product (their width; the weight transform is paid once per run, not per tile). An item
     with fewer tiles (a small image, one row tile) shares its products with the next items:
-    the fewest that divide the batch and give ``ITEM_TILES`` tiles."""
+    the fewest that divide the batch and give ``ITEM_TILES`` tiles. F(4x4, 3x3) (``wide``
+    "where it pays") where an item's row tile has ``WIDE_TILES`` 4x4 tiles and a product
+    ``WIDE_WORK`` multiply-adds: 36 products over a quarter of the tiles, 1.78x fewer
+    multiplications than F(2x2, 3x3); "always": wherever F(2x2, 3x3) would be, its items
+    shared alike (``LATTE_WINOGRAD=4``: the tests' and the random tester's); "never"."""
     conv = _match(nest)
     if conv is None or conv.c.extent < MIN_CHANNELS:
         return None
-    return conv if math.prod(conv.tiles) >= MIN_TILES else _shared(conv, MIN_TILES)
+    four = replace(conv, scheme=F4)
+    tiles = math.prod(four.tiles)
+    if wide == "where it pays" and tiles >= WIDE_TILES and \
+            conv.o.extent * conv.c.extent * tiles >= WIDE_WORK:
+        return four
+    conv = conv if math.prod(conv.tiles) >= MIN_TILES else _shared(conv, MIN_TILES)
+    return replace(conv, scheme=F4) if conv is not None and wide == "always" else conv
 
 
 def match_weight_grad(nest: Loop) -> Conv | None:
@@ -270,14 +324,14 @@ def _index_vars(ref: Ref) -> set[str]:
 
 def _rewrite(conv: Conv, bufs, key: tuple) -> list:
     """The weight transform, then the batch nest computing ``conv`` through the transforms."""
-    o, c = conv.o, conv.c
+    o, c, f = conv.o, conv.c, conv.scheme
     th, tw = conv.tiles
     width = conv.items * th * tw   # the products' width: the tiles of ``items`` items
     label = f"{key[0]}.winograd{key[1]}"
     per = tuple(_plane(n) for n in (o.extent * c.extent, c.extent * width, o.extent * width))
-    u = bufs.derived((*key, "U"), f"{label}.U", (TILES, per[0]), transient=True)
-    v = bufs.scratch((*key, "V"), f"{label}.V", (TILES, per[1]), transient=True)
-    m = bufs.scratch((*key, "M"), f"{label}.M", (TILES, per[2]), transient=True)
+    u = bufs.derived((*key, "U"), f"{label}.U", (f.planes, per[0]), transient=True)
+    v = bufs.scratch((*key, "V"), f"{label}.V", (f.planes, per[1]), transient=True)
+    m = bufs.scratch((*key, "M"), f"{label}.M", (f.planes, per[2]), transient=True)
     names = _names(conv)
     ty, tx, e, wi = names("_wy"), names("_wx"), names("_we"), names("_wi")
     tile_at = Affine.build({ty: tw, tx: 1, **({wi: th * tw} if conv.items > 1 else {})})
@@ -288,29 +342,32 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
                                                           conv.kx: Affine((), b)})))
             for a in range(3) for b in range(3)]
     at = Affine.build({o.var: c.extent, c.var: 1})
-    body += [Assign(Ref(u, (Affine((), 4 * i + j), at), u.shape), _combine(G[i], G[j], w))
-             for i in range(4) for j in range(4)]
+    rows, u_tile = _separable(names, "_wg", f.G, f.G, w)
+    body += rows + [Assign(Ref(u, (Affine((), f.size * i + j), at), u.shape), u_tile[i][j])
+                    for i in range(f.size) for j in range(f.size)]
     weights = _loops([o, c], body)
     copy, inputs = _source_tiles(conv, bufs, key, label, names, v, width, tile_at, ty, tx)
 
     # M[e] = U[e] @ V[e]
     gemm = Gemm(o.extent, width, c.extent,
                 u, Affine.of(e, per[0]), c.extent, False,
-                v, Affine.build({TID: TILES * per[1], e: per[1]}), width, False,
-                m, Affine.build({TID: TILES * per[2], e: per[2]}), width, beta=0.0)
-    products = Loop(e, 0, TILES, Block((gemm,)))
+                v, Affine.build({TID: f.planes * per[1], e: per[1]}), width, False,
+                m, Affine.build({TID: f.planes * per[2], e: per[2]}), width, beta=0.0)
+    products = Loop(e, 0, f.planes, Block((gemm,)))
 
-    # out[.., o, 2ty + i, 2tx + j] += (A^T M A)[i, j]
-    mm = [[Var(names(f"_wm{a}{b}")) for b in range(4)] for a in range(4)]
-    body = [Assign(mm[a][b], Load(Ref(m, (Affine.of(TID), Affine((), 4 * a + b),
+    # out[.., o, r ty + i, r tx + j] += (A^T M A)[i, j]
+    mm = [[Var(names(f"_wm{a}{b}")) for b in range(f.size)] for a in range(f.size)]
+    body = [Assign(mm[a][b], Load(Ref(m, (Affine.of(TID), Affine((), f.size * a + b),
                                           tile_at + Affine.of(o.var, width)), m.shape)))
-            for a in range(4) for b in range(4)]
-    for i in range(2):
-        for j in range(2):
-            out = substitute(conv.target, {conv.y.var: Affine.of(ty, 2) + i,
-                                           conv.x.var: Affine.of(tx, 2) + j})
-            store = AugAssign(out, "+", _combine(AT[i], AT[j], mm))
-            partial = _partial([(ty, i, conv.y.extent), (tx, j, conv.x.extent)])
+            for a in range(f.size) for b in range(f.size)]
+    rows, out_tile = _separable(names, "_wa", f.AT, f.AT, mm)
+    body += rows
+    for i in range(f.out):
+        for j in range(f.out):
+            out = substitute(conv.target, {conv.y.var: Affine.of(ty, f.out) + i,
+                                           conv.x.var: Affine.of(tx, f.out) + j})
+            store = AugAssign(out, "+", out_tile[i][j])
+            partial = _partial(f.out, [(ty, i, conv.y.extent), (tx, j, conv.x.extent)])
             body.append(store if partial is None else If(partial, Block((store,))))
     outputs = _loops([o, _loop(ty, th), _loop(tx, tw)], body)
 
@@ -386,20 +443,22 @@ def _source_tiles(conv: Conv, bufs, key: tuple, label: str, names: NameGen, v, w
                   tile_at: Affine, ty: str, tx: str) -> tuple:
     """The source rows the tile reads, padded: ``P[c, r, q]`` (guards only here, split off
     the interior), then ``V[e, c, p] = (B^T d B)[e]`` over each 4x4 patch ``d`` of ``P``."""
-    c = conv.c
+    c, f = conv.c, conv.scheme
     th, tw = conv.tiles
-    rows, cols = 2 * th + 2, 2 * tw + 2
+    rows, cols = f.out * th + 2, f.out * tw + 2
     padded = bufs.scratch((*key, "P"), f"{label}.P", (c.extent, rows, cols), transient=True)
     r, q = names("_wr"), names("_wq")
     order = [replace(c, kind=LoopKind.SERIAL), _loop(r, rows), _loop(q, cols)]
     at = Ref(padded, (Affine.of(TID), Affine.of(c.var), Affine.of(r), Affine.of(q)), padded.shape)
     loops = [conv.nest, *([conv.tile] if conv.tile else []), *order]
     copy = gather(order, at, _source(conv, r, q), loops)
-    d = [[Load(Ref(padded, (Affine.of(TID), Affine.of(c.var), Affine.of(ty, 2) + a,
-                            Affine.of(tx, 2) + b), padded.shape)) for b in range(4)] for a in range(4)]
+    d = [[Load(Ref(padded, (Affine.of(TID), Affine.of(c.var), Affine.of(ty, f.out) + a,
+                            Affine.of(tx, f.out) + b), padded.shape)) for b in range(f.size)]
+         for a in range(f.size)]
     at = tile_at + Affine.of(c.var, width)
-    body = [Assign(Ref(v, (Affine.of(TID), Affine((), 4 * i + j), at), v.shape),
-                   _combine(BT[i], BT[j], d)) for i in range(4) for j in range(4)]
+    body, v_tile = _separable(names, "_wb", f.BT, f.BT, d)
+    body += [Assign(Ref(v, (Affine.of(TID), Affine((), f.size * i + j), at), v.shape), v_tile[i][j])
+             for i in range(f.size) for j in range(f.size)]
     return copy, _loops([c, _loop(ty, th), _loop(tx, tw)], body)
 
 
@@ -421,7 +480,7 @@ def _tile_value(conv: Conv, ty: str, tx: str, a: int, b: int) -> Expr:
     """The output gradient at row ``2ty + a``, column ``2tx + b``: 0 past a partial tile's
     edge."""
     ref = substitute(conv.weight, {conv.y.var: Affine.of(ty, 2) + a, conv.x.var: Affine.of(tx, 2) + b})
-    partial = _partial([(ty, a, conv.y.extent), (tx, b, conv.x.extent)])
+    partial = _partial(2, [(ty, a, conv.y.extent), (tx, b, conv.x.extent)])
     return Load(ref) if partial is None else Select(partial, Load(ref), Const(0.0))
 
 
@@ -447,6 +506,17 @@ def _loop(var: str, extent: int) -> Loop:
 def _loops(loops: list[Loop], body: list) -> Loop:
     """``loops`` (outermost first, their bodies replaced) around ``body``, serial."""
     return nest([replace(lp, kind=LoopKind.SERIAL) for lp in loops], *body)
+
+
+def _separable(names: NameGen, prefix: str, left, right, terms) -> tuple[list, list]:
+    """``left @ terms @ right^T`` a factor at a time: the assignments of ``terms @ right^T``
+    to fresh locals, and each entry of the product as an expression of those (F(4x4, 3x3)'s
+    6x6 input transform so adds 288 terms, not 484)."""
+    half = [[Var(names(f"{prefix}{a}{j}")) for j in range(len(right))] for a in range(len(terms))]
+    rows = [Assign(half[a][j], _combine((1,), right[j], [terms[a]]))
+            for a in range(len(terms)) for j in range(len(right))]
+    return rows, [[_combine(left[i], (1,), [[half[a][j]] for a in range(len(terms))])
+                   for j in range(len(right))] for i in range(len(left))]
 
 
 def _combine(left, right, terms) -> Expr:
@@ -479,10 +549,11 @@ def _source(conv: Conv, r: str, q: str) -> Expr:
     return Select(BoolOp("and", tuple(checks)), Load(ref), conv.pad)
 
 
-def _partial(dims: list[tuple[str, int, int]]) -> Expr | None:
-    """The condition that output ``2 * var + i`` lies below ``extent``, for every dimension
-    with an odd extent (a partial last tile); None if every tile is whole."""
-    terms = [Compare("<", Affine.of(var, 2) + i, Const(extent))
-             for var, i, extent in dims if extent % 2 and i]
+def _partial(out: int, dims: list[tuple[str, int, int]]) -> Expr | None:
+    """The condition that output ``out * var + i`` lies below ``extent``, for every dimension
+    whose last tile is partial (``extent`` no multiple of ``out``) where ``i`` may pass its
+    edge; None if every tile is whole."""
+    terms = [Compare("<", Affine.of(var, out) + i, Const(extent))
+             for var, i, extent in dims if extent % out and i >= extent % out]
     return conj(terms) if terms else None
 
