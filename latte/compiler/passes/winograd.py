@@ -441,20 +441,24 @@ def _names(conv: Conv) -> NameGen:
 
 def _source_tiles(conv: Conv, bufs, key: tuple, label: str, names: NameGen, v, width: int,
                   tile_at: Affine, ty: str, tx: str) -> tuple:
-    """The source rows the tile reads, padded: ``P[c, r, q]`` (guards only here, split off
-    the interior), then ``V[e, c, p] = (B^T d B)[e]`` over each 4x4 patch ``d`` of ``P``."""
+    """The source rows the tile reads, padded, each row's columns by their phase:
+    ``P[c, r, j, t]`` holds column ``out * t + j`` (guards only here, split off the
+    interior), so that the transform reads each of a patch's columns at consecutive ``t``
+    for consecutive tiles; then ``V[e, c, p] = (B^T d B)[e]`` over each patch ``d``."""
     c, f = conv.c, conv.scheme
     th, tw = conv.tiles
-    rows, cols = f.out * th + 2, f.out * tw + 2
-    padded = bufs.scratch((*key, "P"), f"{label}.P", (c.extent, rows, cols), transient=True)
-    r, q = names("_wr"), names("_wq")
-    order = [replace(c, kind=LoopKind.SERIAL), _loop(r, rows), _loop(q, cols)]
-    at = Ref(padded, (Affine.of(TID), Affine.of(c.var), Affine.of(r), Affine.of(q)), padded.shape)
+    rows = f.out * th + 2
+    padded = bufs.scratch((*key, "P"), f"{label}.P", (c.extent, rows, f.out, tw + 1),
+                          transient=True)
+    r, j, t = names("_wr"), names("_wj"), names("_wq")
+    order = [replace(c, kind=LoopKind.SERIAL), _loop(r, rows), _loop(j, f.out), _loop(t, tw + 1)]
+    at = Ref(padded, (Affine.of(TID), Affine.of(c.var), Affine.of(r), Affine.of(j),
+                      Affine.of(t)), padded.shape)
     loops = [conv.nest, *([conv.tile] if conv.tile else []), *order]
-    copy = gather(order, at, _source(conv, r, q), loops)
+    copy = gather(order, at, _source(conv, r, Affine.build({t: f.out, j: 1})), loops)
     d = [[Load(Ref(padded, (Affine.of(TID), Affine.of(c.var), Affine.of(ty, f.out) + a,
-                            Affine.of(tx, f.out) + b), padded.shape)) for b in range(f.size)]
-         for a in range(f.size)]
+                            Affine((), b % f.out), Affine.of(tx) + b // f.out), padded.shape))
+          for b in range(f.size)] for a in range(f.size)]
     at = tile_at + Affine.of(c.var, width)
     body, v_tile = _separable(names, "_wb", f.BT, f.BT, d)
     body += [Assign(Ref(v, (Affine.of(TID), Affine((), f.size * i + j), at), v.shape), v_tile[i][j])
@@ -533,11 +537,11 @@ def _combine(left, right, terms) -> Expr:
     return out if out is not None else Const(0.0)
 
 
-def _source(conv: Conv, r: str, q: str) -> Expr:
+def _source(conv: Conv, r: str, q: Affine) -> Expr:
     """Row ``r`` and column ``q`` of the source rows a row tile reads (from the row and
     column of its first output, less the padding): the source through the original guard,
     and the padding value where a partial tile reaches past the source."""
-    at = {conv.y.var: Affine.of(r), conv.ky: Affine(), conv.x.var: Affine.of(q), conv.kx: Affine()}
+    at = {conv.y.var: Affine.of(r), conv.ky: Affine(), conv.x.var: q, conv.kx: Affine()}
     ref = substitute(conv.source, at)
     view = ref.view
     checks = [Compare(">=", ref.index[2], Const(0)), Compare("<", ref.index[2], Const(view[2])),
