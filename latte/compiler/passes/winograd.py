@@ -25,11 +25,15 @@ tile (16 or 36):
 - ``out[.., o, r ty + i, r tx + j] += (A^T M A)[i, j]``, guarded where a tile is partial
   (zero-init folding turns the ``+=`` of a tile into stores where they cover the output).
 
-Each transform is computed a factor at a time (``B^T d``, then times ``B``: the 6x6 input
-transform adds 288 terms, not 484). F(4x4, 3x3) takes a convolution whose row tile holds
-``WIDE_TILES`` 4x4 tiles and whose products do ``WIDE_WORK`` multiply-adds (36 narrower
-products: where they are too small, as 64 channels over 28 tiles, the calls and transforms
-cost more than the multiplications saved); the others F(2x2, 3x3).
+Each transform is computed a factor at a time (``d B``, then ``B^T`` times that: the 6x6
+input transform adds 288 terms, not 484), and ``P`` keeps each row's columns by phase
+(column ``r t + j`` at ``[j, t]``), so that a patch's columns lie at consecutive places for
+consecutive tiles and the transforms vectorize over tiles with plain vector loads.
+
+F(4x4, 3x3) takes a convolution whose row tile holds ``WIDE_TILES`` 4x4 tiles and whose
+products do ``WIDE_WORK`` multiply-adds (36 narrower products: where they are too small, as
+64 channels over 28 tiles, the calls and transforms cost more than the multiplications
+saved); the others F(2x2, 3x3).
 
 An item with too few tiles for a product of its own (a deep layer's 8x8 or 7x7 image, in
 one row tile) shares its products with the next items of the batch: the batch loop runs
