@@ -17,12 +17,6 @@ from latte.compiler.passes.winograd import ITEM_TILES, MIN_TILES, _plane, match
 from latte.stdlib import ConvolutionLayer, MaxPoolingLayer, MemoryDataLayer, ReLULayer
 
 
-def _uses_winograd(net, phases=("forward", "backward", "test")) -> bool:
-    return any(g.a_buf.key[0] == "derived" for p in net.program.plans
-               for name, k in p.kernels.items() if name in phases
-               for g in walk(k.body) if isinstance(g, Gemm))
-
-
 @pytest.fixture(params=["2", "4"], ids=["F2", "F4"])
 def scheme(request, monkeypatch) -> int:
     """F(2x2, 3x3) or F(4x4, 3x3) wherever Winograd applies (``LATTE_WINOGRAD``): the
@@ -36,6 +30,10 @@ def _planes(net, phases=("forward", "backward", "test")) -> set[int]:
     return {g.a_buf.shape[0] for p in net.program.plans for name, k in p.kernels.items()
             if name in phases for g in walk(k.body)
             if isinstance(g, Gemm) and g.a_buf.key[0] == "derived"}
+
+
+def _uses_winograd(net, phases=("forward", "backward", "test")) -> bool:
+    return bool(_planes(net, phases))
 
 
 def _backward_buffers(net) -> set[str]:

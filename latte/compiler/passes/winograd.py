@@ -25,8 +25,8 @@ tile (16 or 36):
 - ``out[.., o, r ty + i, r tx + j] += (A^T M A)[i, j]``, guarded where a tile is partial
   (zero-init folding turns the ``+=`` of a tile into stores where they cover the output).
 
-Each transform is computed a factor at a time (``d B``, then ``B^T`` times that: the 6x6
-input transform adds 288 terms, not 484), and ``P`` keeps each row's columns by phase
+The forward's transforms are computed a factor at a time (``d B``, then ``B^T`` times that:
+the 6x6 input transform adds 288 terms, not 484), and ``P`` keeps each row's columns by phase
 (column ``r t + j`` at ``[j, t]``), so that a patch's columns lie at consecutive places for
 consecutive tiles and the transforms vectorize over tiles with plain vector loads.
 
