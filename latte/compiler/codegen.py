@@ -19,13 +19,14 @@ segment. The checks change the IR, hence the cache key.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 
 from llvmlite import ir
 
 from latte.compiler import mathfn, microkernel
-from latte.compiler.fingerprint import structure
+from latte.compiler.fingerprint import kernel_buffers, shape
 from latte.compiler.ir import (
     TID,
     Affine,
@@ -160,27 +161,6 @@ class ModuleBuilder:
         return fn
 
 
-def kernel_buffers(kernel: Kernel) -> list[Buffer]:
-    """The buffers ``kernel`` touches, in order of first access (its function's arguments)."""
-    return list(dict.fromkeys(a.buffer for a in accesses(kernel.body)))
-
-
-def shape(kernel: Kernel, check_bounds: bool) -> str:
-    """What ``kernel``'s function is made from: its IR with each of its buffers as its
-    argument position and element type. Kernels of one shape share a function. With bounds
-    checks the kernel's name and its buffers' names and sizes are part of the code, hence of
-    the shape. Remembered by the kernel (:func:`split` computes it for every kernel before
-    the modules are built in forked children)."""
-    if not check_bounds and "_shape" in kernel.__dict__:
-        return kernel.__dict__["_shape"]
-    detail = (lambda b: (b.dtype, b.size, b.name)) if check_bounds else (lambda b: b.dtype)
-    key = structure(kernel.body, {b: f"{i}:{detail(b)}" for i, b in enumerate(kernel_buffers(kernel))})
-    if check_bounds:
-        return f"{kernel.name}\n{key}"
-    object.__setattr__(kernel, "_shape", key)
-    return key
-
-
 def split(segments: list, parts: int) -> list[list]:
     """``segments`` in at most ``parts`` groups of about equal LLVM work, each group's in
     their order, for one module each: a kernel shape costs the length of its IR once per
@@ -234,6 +214,19 @@ class _KernelEmitter:
         self.loop_vars: dict[str, ir.Value] = {TID: ir.Constant(I64, 0)}
         self.ranges: dict[str, tuple[int, int]] = {TID: (0, 0)}   # loop var -> (first, last)
         self.locals: dict[str, ir.Value] = {}
+        # per nested region (loop body, branch arm): an affine offset's variable part ->
+        # its value, computed once where it dominates the region's later accesses
+        self.offsets: list[dict[tuple, ir.Value]] = [{}]
+
+    @contextlib.contextmanager
+    def region(self):
+        """Code emitted inside runs in a nested region: offsets computed there do not
+        dominate what follows it."""
+        self.offsets.append({})
+        try:
+            yield
+        finally:
+            self.offsets.pop()
 
     def emit(self):
         self.block(self.kernel.body)
@@ -252,9 +245,9 @@ class _KernelEmitter:
         elif isinstance(s, If):
             cond = self.cond(s.cond)
             with self.b.if_else(cond) as (then, orelse):
-                with then:
+                with then, self.region():
                     self.block(s.then)
-                with orelse:
+                with orelse, self.region():
                     self.block(s.orelse)
         elif isinstance(s, Assign):
             self.store(s.target, self.expr(s.value))
@@ -289,7 +282,8 @@ class _KernelEmitter:
         b.cbranch(b.icmp_signed("<", iv, hi), block, exit_)
         b.position_at_end(block)
         self.loop_vars[name] = iv
-        body(iv)
+        with self.region():
+            body(iv)
         del self.loop_vars[name]
         nxt = b.add(iv, ir.Constant(I64, 1), name=f"{name}.next", flags=("nsw", "nuw"))
         iv.add_incoming(nxt, b.block)
@@ -412,10 +406,10 @@ class _KernelEmitter:
         b = self.b
         ok = b.icmp_unsigned("<", idx, ir.Constant(I64, ref.buffer.size))
         with b.if_else(ok) as (then, orelse):
-            with then:
+            with then, self.region():
                 value = access(self.pointer(ref, idx))
                 then_block = b.block
-            with orelse:
+            with orelse, self.region():
                 self.record(ref.buffer, idx)
                 else_block = b.block
         if not isinstance(value, ir.LoadInstr):
@@ -506,13 +500,21 @@ class _KernelEmitter:
 
     # ------------------------------------------------------------ expressions
     def affine(self, a: Affine) -> ir.Value:
-        out = ir.Constant(I64, a.const)
-        for var, coef in a.terms:
-            term = self.loop_vars[var]
-            if coef != 1:
-                term = self.b.mul(term, ir.Constant(I64, coef), flags=("nsw",))
-            out = self.b.add(out, term, flags=("nsw",))
-        return out
+        """``a``'s value: its variable part computed once in the innermost region that
+        holds it and reused (a window's accesses differ in their constants alone), plus
+        the constant."""
+        if not a.terms:
+            return ir.Constant(I64, a.const)
+        key = tuple((id(self.loop_vars[var]), coef) for var, coef in a.terms)
+        part = next((found[key] for found in reversed(self.offsets) if key in found), None)
+        if part is None:
+            for var, coef in a.terms:
+                term = self.loop_vars[var]
+                if coef != 1:
+                    term = self.b.mul(term, ir.Constant(I64, coef), flags=("nsw",))
+                part = term if part is None else self.b.add(part, term, flags=("nsw",))
+            self.offsets[-1][key] = part
+        return part if a.const == 0 else self.b.add(part, ir.Constant(I64, a.const), flags=("nsw",))
 
     def flat_index(self, ref: Ref) -> ir.Value:
         off = ref.offset()
@@ -643,10 +645,10 @@ class _KernelEmitter:
             return self.b.select(cond, t, f)
         b = self.b
         with b.if_else(cond) as (then, orelse):
-            with then:
+            with then, self.region():
                 t = self.to_float(self.expr(e.if_true))
                 t_block = b.block
-            with orelse:
+            with orelse, self.region():
                 f = self.to_float(self.expr(e.if_false))
                 f_block = b.block
         phi = b.phi(F32)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from latte.aligned import ALIGN
 from latte.compiler.buffers import BufferPlan
-from latte.compiler.codegen import kernel_buffers
+from latte.compiler.fingerprint import kernel_buffers
 from latte.compiler.ir import Kernel, accesses
 from latte.compiler.jit import CodeLibrary
 from latte.compiler.mapping import ConnAccess, fit_index_map

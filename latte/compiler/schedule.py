@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from latte.compiler.buffers import BufferPlan, storage_owner
-from latte.compiler.codegen import shape
+from latte.compiler.fingerprint import shape
 from latte.compiler.ir import Block, Kernel, accesses
 from latte.compiler.passes import drop_stores, localize
 from latte.compiler.program import AFTER_LOOP, BEFORE_LOOP, HostStep, Segment, TimeSteps
