@@ -51,6 +51,7 @@ from latte.compiler.ir import (
     UnaryOp,
     Var,
     accesses,
+    touched,
     walk,
 )
 from latte.errors import CompileError
@@ -303,7 +304,7 @@ class _KernelEmitter:
         total = 1
         for lp in loops:
             total *= lp.extent
-        used = {a.buffer for a in accesses(s)}   # the context carries these alone
+        used = touched(s)   # the context carries these alone
         bufs = [b for b in self.args if b in used]
         outer = [v for v in self.loop_vars if v != TID]
         mb = self.mb

@@ -37,6 +37,7 @@ from latte.compiler.ir import (
     Var,
     accesses,
     substitute,
+    touched,
     walk,
 )
 from latte.compiler.mapping import tile_local
@@ -411,9 +412,8 @@ def _untiled(stmts: list) -> tuple[list, list] | None:
 def _commutes(s, others: list) -> bool:
     mine = accesses(s)
     written = {a.buffer for a in mine if a.written}
-    touched = {a.buffer for a in mine}
-    return not any(written & {a.buffer for a in accesses(t)}
-                   or touched & {a.buffer for a in accesses(t) if a.written} for t in others)
+    return not any(written & touched(t)
+                   or touched(s) & {a.buffer for a in accesses(t) if a.written} for t in others)
 
 
 def planner_chain(plans) -> list:

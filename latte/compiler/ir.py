@@ -510,6 +510,21 @@ def accesses(node: Node) -> list[Access]:
     return out
 
 
+def touched(node: Node) -> frozenset[Buffer]:
+    """The buffers of :func:`accesses` below ``node``, without building the accesses (each
+    node remembers its set: nodes never change, and most outlive the pass that asked)."""
+    found = node.__dict__.get("_touched")
+    if found is None:
+        if isinstance(node, Gemm):
+            found = frozenset(a.buffer for a in accesses(node))
+        else:
+            found = frozenset().union(*map(touched, children(node)))
+            if isinstance(node, Ref):
+                found |= {node.buffer}
+        object.__setattr__(node, "_touched", found)
+    return found
+
+
 def refs(node: Node) -> Iterator[Ref]:
     return (n for n in walk(node) if isinstance(n, Ref))
 

@@ -72,7 +72,12 @@ class Scope:
     known: tuple[tuple[str, Expr], ...] = ()   # locals that hold an expression of the loops
 
     def bound(self) -> frozenset[str]:
-        return frozenset(v for v, _, _ in self.loops)
+        """The loop variables bound here (remembered by the scope: scopes never change)."""
+        found = self.__dict__.get("_bound")
+        if found is None:
+            found = frozenset(v for v, _, _ in self.loops)
+            object.__setattr__(self, "_bound", found)
+        return found
 
 
 def walk_scoped(node: Node, scope: Scope, visit: Callable[[Node, Scope], None]) -> None:
@@ -84,9 +89,8 @@ def walk_scoped(node: Node, scope: Scope, visit: Callable[[Node, Scope], None]) 
     if isinstance(node, Block):
         known = dict(scope.known)
         for stmt in node.stmts:
-            for n in walk(stmt) if known else ():   # a local reassigned below stands for nothing
-                if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Var):
-                    known.pop(n.target.name, None)
+            for name in _assigned(stmt) if known else ():   # a local reassigned below
+                known.pop(name, None)                        # stands for nothing
             walk_scoped(stmt, replace(scope, known=tuple(known.items())), visit)
             if isinstance(stmt, Assign) and isinstance(stmt.target, Var) \
                     and _of_loops(stmt.value, scope.bound()):
@@ -105,6 +109,16 @@ def walk_scoped(node: Node, scope: Scope, visit: Callable[[Node, Scope], None]) 
         return
     for child in children(node):
         walk_scoped(child, scope, visit)
+
+
+def _assigned(stmt: Node) -> frozenset[str]:
+    """The locals ``stmt`` assigns (remembered by the statement: nodes never change)."""
+    found = stmt.__dict__.get("_assigned")
+    if found is None:
+        found = frozenset(n.target.name for n in walk(stmt)
+                          if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Var))
+        object.__setattr__(stmt, "_assigned", found)
+    return found
 
 
 def _of_loops(e: Expr, loops: frozenset[str]) -> bool:

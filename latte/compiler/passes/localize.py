@@ -34,6 +34,7 @@ from latte.compiler.ir import (
     Ref,
     accesses,
     rewrite,
+    touched,
 )
 from latte.compiler.passes.tiling import tile_loop
 
@@ -55,9 +56,9 @@ def localize(kernel: Kernel, candidates: set[Buffer], bufs) -> Kernel:
     """``kernel`` with each of ``candidates`` that only one tiled nest of it touches moved into
     a line buffer of that nest."""
     stmts = list(kernel.body.stmts)
-    touched = [{a.buffer for a in accesses(s)} for s in stmts]
+    used = [touched(s) for s in stmts]
     for buf in sorted(candidates, key=lambda b: b.name):
-        users = [i for i, t in enumerate(touched) if buf in t]
+        users = [i for i, t in enumerate(used) if buf in t]
         if len(users) != 1 or tile_loop(stmts[users[0]]) is None:
             continue
         batch = stmts[users[0]]

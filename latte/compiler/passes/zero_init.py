@@ -39,7 +39,7 @@ from latte.compiler.ir import (
     Loop,
     Ref,
     accesses,
-    rewrite,
+    touched,
 )
 
 Region = tuple[int, tuple[tuple[int, int], ...]]   # first element, (stride, extent) runs
@@ -111,7 +111,7 @@ def _first_write(s, buf: Buffer, zeroed: Region) -> list:
     mine = [a for a in accesses(s) if a.buffer is buf]
     if not mine or not all(a.written for a in mine):   # a read: not the first writer alone
         return []
-    found = [(node, loops) for node, loops in _in_order(s) if buf in _touched(node)]
+    found = [(node, loops) for node, loops in _in_order(s) if buf in touched(node)]
     if len(found) != len(mine):
         return []
     loops = found[0][1]
@@ -162,16 +162,21 @@ def _digits(consts: set[int]) -> list[tuple[int, int]] | None:
     return out
 
 
-def _overwrite(node):
-    """A first writer of zeros as one that overwrites: a GEMM with ``beta = 0``, a ``+=`` as
-    a plain store."""
-    if isinstance(node, Gemm):
-        return replace(node, beta=0.0)
-    return Assign(node.target, node.value) if isinstance(node, AugAssign) else node
-
-
-def _touched(s) -> set[Buffer]:
-    return {a.buffer for a in accesses(s)}
+def _overwrite(node, writers: list):
+    """``node`` with ``writers`` (statements of it that :func:`_in_order` reaches) as first
+    writers of zeros, which overwrite: a GEMM with ``beta = 0``, a ``+=`` as a plain store.
+    Only loops and blocks are entered (expressions hold no statements)."""
+    if any(node is w for w in writers):
+        if isinstance(node, Gemm):
+            return replace(node, beta=0.0)
+        return Assign(node.target, node.value) if isinstance(node, AugAssign) else node
+    if isinstance(node, Loop):
+        body = _overwrite(node.body, writers)
+        return node if body is node.body else replace(node, body=body)
+    if isinstance(node, Block):
+        stmts = tuple(_overwrite(c, writers) for c in node.stmts)
+        return node if all(a is b for a, b in zip(stmts, node.stmts)) else Block(stmts)
+    return node
 
 
 def fold_zero_init(kernel: Kernel, zeroed: frozenset[Buffer] = frozenset()
@@ -190,14 +195,13 @@ def fold_zero_init(kernel: Kernel, zeroed: frozenset[Buffer] = frozenset()
         if clear is not None:
             pending[clear[0]] = (i, clear[1])
             continue
-        touched = _touched(s)
-        for b in [b for b in pending if b in touched]:
+        used = touched(s)
+        for b in [b for b in pending if b in used]:
             first = _first_write(s, b, pending[b][1])
             if first:
                 folded[b] = pending[b][0]
-                stmts[i] = rewrite(stmts[i], lambda n, ws=first: _overwrite(n) if any(
-                    n is w for w in ws) else None)
-        for b in touched:
+                stmts[i] = _overwrite(stmts[i], first)
+        for b in used:
             pending.pop(b, None)
     drop = {i for i in folded.values() if i is not None}
     body = Block(tuple(s for i, s in enumerate(stmts) if i not in drop))
@@ -210,12 +214,11 @@ def fold_across(kernels: list[Kernel], buf: Buffer) -> list[Kernel] | None:
     ``buf`` up to the first that reads it, taken as one statement (properties 1-3); what
     reads it later sees it whole. None if they do not overwrite it."""
     touching = []
-    for s in (s for k in kernels for s in k.body.stmts if buf in _touched(s)):
+    for s in (s for k in kernels for s in k.body.stmts if buf in touched(s)):
         if not all(a.written for a in accesses(s) if a.buffer is buf):
             break
         touching.append(s)
     first = _first_write(Block(tuple(touching)), buf, whole(buf))
     if not first:
         return None
-    return [replace(k, body=rewrite(k.body, lambda n: _overwrite(n) if any(
-        n is w for w in first) else None)) for k in kernels]
+    return [replace(k, body=_overwrite(k.body, first)) for k in kernels]
