@@ -460,10 +460,10 @@ class _KernelEmitter:
             last = b.add(first, ir.Constant(I64, acc.span))
             inside = b.and_(b.icmp_unsigned("<", first, ir.Constant(I64, acc.buffer.size)),
                             b.icmp_unsigned("<", last, ir.Constant(I64, acc.buffer.size)))
-            with b.if_then(b.not_(inside)):
+            with b.if_then(b.not_(inside)), self.region():
                 self.record(acc.buffer, last)
             ok = b.and_(ok, inside)
-        with b.if_then(ok):
+        with b.if_then(ok), self.region():
             self.sgemm(g)
 
     def sgemm(self, g: Gemm):

@@ -161,12 +161,7 @@ class Target:
             text = module()
             return hashlib.sha256(text.encode()).digest() + self.object(text, speed)
 
-        children = [_Child(lambda m=m: build(m)) for m in modules[1:]]
-        try:
-            out = [build(modules[0])] + [child.result() for child in children]
-        finally:
-            for child in children:
-                child.cancel()
+        out = side_by_side([lambda m=m: build(m) for m in modules])
         return [one[:32] for one in out], [one[32:] for one in out]
 
     def _module(self, ir_text: str) -> llvm.ModuleRef:
@@ -205,6 +200,17 @@ def compile_jobs() -> int:
     if not hasattr(os, "fork") or any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK")):
         return 1
     return usable_cores()
+
+
+def side_by_side(works: list[Callable[[], bytes]]) -> list[bytes]:
+    """What each of ``works`` returns, the first run here and the others meanwhile in forked
+    children (a failed child's work runs again here)."""
+    children = [_Child(work) for work in works[1:]]
+    try:
+        return [works[0]()] + [child.result() for child in children] if works else []
+    finally:
+        for child in children:
+            child.cancel()
 
 
 def in_background(work: Callable[[], None] | None) -> "_Child | _Done":

@@ -22,7 +22,7 @@ from latte.compiler import microkernel
 from latte.compiler.codegen import ModuleBuilder
 from latte.compiler.fingerprint import compiler_digest
 from latte.compiler.ir import Affine, Block, Buffer, Gemm, Kernel
-from latte.compiler.jit import target
+from latte.compiler.jit import compile_jobs, side_by_side, target
 from latte.compiler.machine import measured, one_blas_thread, recorded
 from latte.compiler.microkernel import in_place_tile
 
@@ -85,8 +85,9 @@ def time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int],
     """Per product (m, n, k and the leading dimensions of A, B and C; B read in place along
     its rows), BLAS's time over the micro-kernel's on one thread: the best of up to ``runs``
     runs each (the first of each warms up), taken in turns, fewer where they pass
-    ``budget`` seconds. The micro-kernels are compiled as a program is, in modules built
-    and compiled side by side, one per core."""
+    ``budget`` seconds; the products dealt out to the cores, each timed on one. The
+    micro-kernels are compiled as a program is, in modules built and compiled side by side,
+    one per core."""
     lanes = vector[0] // 32
     gemms = []
     for i, (m, n, k, lda, ldb, ldc) in enumerate(products):
@@ -109,18 +110,30 @@ def time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int],
     library = target().library(made_of.hexdigest(), lambda parts: [
         lambda part=part: module(range(part, len(gemms), parts))
         for part in range(min(parts, len(gemms)))])
-    ratios = []
-    with one_blas_thread() as sgemm:
-        for i, ((m, n, k, lda, ldb, ldc), g) in enumerate(zip(products, gemms)):
-            a, b, c = (np.full((buf.size,), 0.5, np.float32) for buf in (g.a_buf, g.b_buf, g.c_buf))
-            table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
-            tiled = functools.partial(
-                ctypes.CFUNCTYPE(None, ctypes.c_void_p)(library.address(f"trial{i}")),
-                ctypes.addressof(table))
-            blas = functools.partial(sgemm, 101, 112 if trans_a else 111, 111, m, n, k, 1.0,
-                                     a.ctypes.data, lda, b.ctypes.data, ldb, 0.0, c.ctypes.data, ldc)
-            ratios.append(_race(blas, tiled, budget, runs))
-    return ratios
+    def race(trials: range) -> bytes:
+        ratios = []
+        with one_blas_thread() as sgemm:
+            for i in trials:
+                (m, n, k, lda, ldb, ldc), g = products[i], gemms[i]
+                a, b, c = (np.full((buf.size,), 0.5, np.float32) for buf in (g.a_buf, g.b_buf, g.c_buf))
+                table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
+                tiled = functools.partial(
+                    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(library.address(f"trial{i}")),
+                    ctypes.addressof(table))
+                blas = functools.partial(sgemm, 101, 112 if trans_a else 111, 111, m, n, k, 1.0,
+                                         a.ctypes.data, lda, b.ctypes.data, ldb, 0.0,
+                                         c.ctypes.data, ldc)
+                ratios.append(_race(blas, tiled, budget, runs))
+        return np.array(ratios, np.float64).tobytes()
+
+    # the products dealt out to the cores, each process timing its own on one thread
+    parts = min(compile_jobs(), len(products))
+    dealt = [range(part, len(products), parts) for part in range(parts)]
+    out = [0.0] * len(products)
+    for trials, data in zip(dealt, side_by_side([lambda t=t: race(t) for t in dealt])):
+        for i, ratio in zip(trials, np.frombuffer(data, np.float64)):
+            out[i] = float(ratio)
+    return out
 
 
 def _race(blas, tiled, budget: float, runs: int) -> float:
