@@ -192,33 +192,60 @@ def split(segments: list, parts: int) -> list[list]:
         for kernel in seg.kernels:
             work[shape(kernel, False)] = len(shape(kernel, False))
             mine.add(shape(kernel, False))
-            for g in walk(kernel.body):
-                if isinstance(g, Gemm) and g.panel:
+            for g in _products(kernel.body):
+                if g.panel:
                     work[tiled_key(g)] = TILED_COST
                     mine.add(tiled_key(g))
         shapes.append(mine)
     group = [-1] * len(segments)   # -1: not placed yet
+    held = [dict.fromkeys(work, 0) for _ in range(parts)]   # group -> element -> its users
+    load = [0] * parts
 
-    def cost(where: list[int]) -> tuple[int, int]:
-        """The largest group's work, then all groups' together."""
-        held: list[set] = [set() for _ in range(parts)]
-        for i, g in enumerate(where):
-            if g >= 0:
-                held[g] |= shapes[i]
-        load = [sum(work[x] for x in h) for h in held]
-        return max(load), sum(load)
+    def place(i: int, g: int, step: int) -> None:
+        """Segment ``i`` into group ``g`` (``step`` 1) or out of it (-1)."""
+        for x in shapes[i]:
+            held[g][x] += step
+            if held[g][x] == (1 if step > 0 else 0):
+                load[g] += step * work[x]
+        group[i] = g if step > 0 else -1
+
+    def cost(i: int, g: int) -> tuple[int, int]:
+        """The largest group's work, then all groups' together, with segment ``i`` in ``g``."""
+        was = group[i]
+        if was >= 0:
+            place(i, was, -1)
+        place(i, g, 1)
+        out = max(load), sum(load)
+        place(i, g, -1)
+        if was >= 0:
+            place(i, was, 1)
+        return out
 
     for i in sorted(range(len(segments)), key=lambda i: -sum(work[x] for x in shapes[i])):
-        group[i] = min(range(parts), key=lambda g: cost(group[:i] + [g] + group[i + 1:]))
+        place(i, min(range(parts), key=lambda g: cost(i, g)), 1)
     improved = True
     while improved:
         improved = False
         for i, g in itertools.product(range(len(segments)), range(parts)):
-            moved = group[:i] + [g] + group[i + 1:]
-            if cost(moved) < cost(group):
-                group, improved = moved, True
+            if cost(i, g) < (max(load), sum(load)):
+                place(i, group[i], -1)
+                place(i, g, 1)
+                improved = True
     return [[seg for seg, g in zip(segments, group) if g == k] for k in range(parts)
             if k in group]
+
+
+def _products(node) -> list[Gemm]:
+    """The GEMMs among ``node``'s statements (expressions hold none)."""
+    if isinstance(node, Gemm):
+        return [node]
+    if isinstance(node, Block):
+        return [g for s in node.stmts for g in _products(s)]
+    if isinstance(node, Loop):
+        return _products(node.body)
+    if isinstance(node, If):
+        return _products(node.then) + _products(node.orelse)
+    return []
 
 
 def check_bounds() -> bool:
