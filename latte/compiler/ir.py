@@ -474,40 +474,43 @@ def accesses(node: Node) -> list[Access]:
     if known is not None:
         return list(known)
     out: list[Access] = []
-
-    def ref(r: Ref, written: bool, loops: tuple) -> None:
-        out.append(Access(r.buffer, r.offset(), written, r.index, view=r.view, loops=loops))
-        for idx in r.index:
-            visit(idx, loops)
-
-    def visit(n: Node, loops: tuple) -> None:
-        if isinstance(n, Loop):
-            loops = (*loops, (n.var, n.start, n.stop))
-        if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Ref):
-            visit(n.value, loops)
-            ref(n.target, True, loops)
-            return
-        if isinstance(n, Ref):
-            ref(n, False, loops)
-            return
-        if isinstance(n, Gemm):
-            a_rows, a_cols = (n.k, n.m) if n.trans_a else (n.m, n.k)
-            b_cols = n.ldb if n.panel and n.packed else n.k if n.trans_b else n.n
-            out.extend((
-                Access(n.a_buf, n.a_off, False, block=((n.lda, a_rows), (1, a_cols)), loops=loops),
-                Access(n.b_buf, n.b_off, False, block=((n.ldb, n.b_rows), (1, b_cols)),
-                       loops=loops),
-                Access(n.c_buf, n.c_off, True, block=((n.ldc, n.m), (1, n.n)), loops=loops)))
-            if n.bias_buf is not None:
-                count = n.m if n.bias_rows else n.n
-                out.append(Access(n.bias_buf, n.bias_off, False, block=((count, 1), (1, count)),
-                                  loops=loops))
-        for c in children(n):
-            visit(c, loops)
-
-    visit(node, ())
+    _visit_accesses(node, (), out)
     object.__setattr__(node, "_accesses", tuple(out))
     return out
+
+
+def _ref_access(r: Ref, written: bool, loops: tuple, out: list[Access]) -> None:
+    out.append(Access(r.buffer, r.offset(), written, r.index, view=r.view, loops=loops))
+    for idx in r.index:
+        _visit_accesses(idx, loops, out)
+
+
+def _visit_accesses(n: Node, loops: tuple, out: list[Access]) -> None:
+    """:func:`accesses` below ``n`` into ``out`` (module functions: nested ones that call
+    each other would make every list cyclic garbage)."""
+    if isinstance(n, Loop):
+        loops = (*loops, (n.var, n.start, n.stop))
+    if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Ref):
+        _visit_accesses(n.value, loops, out)
+        _ref_access(n.target, True, loops, out)
+        return
+    if isinstance(n, Ref):
+        _ref_access(n, False, loops, out)
+        return
+    if isinstance(n, Gemm):
+        a_rows, a_cols = (n.k, n.m) if n.trans_a else (n.m, n.k)
+        b_cols = n.ldb if n.panel and n.packed else n.k if n.trans_b else n.n
+        out.extend((
+            Access(n.a_buf, n.a_off, False, block=((n.lda, a_rows), (1, a_cols)), loops=loops),
+            Access(n.b_buf, n.b_off, False, block=((n.ldb, n.b_rows), (1, b_cols)),
+                   loops=loops),
+            Access(n.c_buf, n.c_off, True, block=((n.ldc, n.m), (1, n.n)), loops=loops)))
+        if n.bias_buf is not None:
+            count = n.m if n.bias_rows else n.n
+            out.append(Access(n.bias_buf, n.bias_off, False, block=((count, 1), (1, count)),
+                              loops=loops))
+    for c in children(n):
+        _visit_accesses(c, loops, out)
 
 
 def touched(node: Node) -> frozenset[Buffer]:
