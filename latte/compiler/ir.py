@@ -413,6 +413,27 @@ def rewrite(node: Node, fn: Callable[[Node], Node | None]) -> Node:
     return node if out is None else out
 
 
+def statements(node: Node) -> list[Node]:
+    """``node`` and every statement below it, pre-order: loops, blocks and branches are
+    entered, expressions are not (they hold no statements)."""
+    if isinstance(node, Block):
+        return [node, *(x for s in node.stmts for x in statements(s))]
+    if isinstance(node, Loop):
+        return [node, *statements(node.body)]
+    if isinstance(node, If):
+        return [node, *statements(node.then), *statements(node.orelse)]
+    return [node]
+
+
+def rewrite_statements(node: Node, fn: Callable[[Node], Node | None]) -> Node:
+    """:func:`rewrite` over statements alone (see :func:`statements`): children first, then
+    ``fn(node)`` (``None`` keeps the node); expressions are left as they are."""
+    if isinstance(node, (Block, Loop, If)):
+        node = map_children(node, lambda c: rewrite_statements(c, fn))
+    out = fn(node)
+    return node if out is None else out
+
+
 def substitute(node: Node, mapping: dict[str, Affine]) -> Node:
     """``node`` with free loop variables replaced by affine forms, without capture: a loop
     that rebinds a replaced variable shadows it, and a loop whose variable occurs in a

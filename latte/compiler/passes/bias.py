@@ -37,7 +37,7 @@ from latte.compiler.ir import (
     LoopKind,
     Ref,
     Var,
-    rewrite,
+    rewrite_statements,
 )
 
 ROW, COL = "bias.i", "bias.j"   # a nest's row and column, named as no loop variable is
@@ -112,7 +112,8 @@ def _fold(first, second):
         fields.update(bias_buf=nest.bias.buffer, bias_rows=by_row,
                       bias_off=nest.bias.offset().substitute(ROW if by_row else COL,
                                                              row if by_row else col))
-    return rewrite(first, lambda n: replace(n, **fields) if isinstance(n, Gemm) else None)
+    return rewrite_statements(first, lambda n: replace(n, **fields) if isinstance(n, Gemm)
+                              else None)
 
 
 def _products(s):

@@ -26,6 +26,7 @@ from latte.compiler.ir import (
     Loop,
     Ref,
     Var,
+    children,
     walk,
     written_refs,
 )
@@ -54,9 +55,29 @@ def _loop(loop: Loop) -> list[Loop]:
     return [replace(loop, body=body)]
 
 
-def _locals(stmt) -> set[str]:
-    loop_vars = {n.var for n in walk(stmt) if isinstance(n, Loop)}
-    return {n.name for n in walk(stmt) if isinstance(n, Var)} - loop_vars
+def _locals(stmt) -> frozenset[str]:
+    """The names ``stmt`` reads or writes that none of its loops binds."""
+    names, loop_vars = _names(stmt)
+    return names - loop_vars
+
+
+def _names(node) -> tuple[frozenset[str], frozenset[str]]:
+    """The variable names below ``node`` and the loop variables among its loops (remembered
+    by the node: nested loops ask for their statements' at every level)."""
+    found = node.__dict__.get("_names")
+    if found is None:
+        names, loop_vars = set(), set()
+        for child in children(node):
+            more, bound = _names(child)
+            names |= more
+            loop_vars |= bound
+        if isinstance(node, Var):
+            names.add(node.name)
+        if isinstance(node, Loop):
+            loop_vars.add(node.var)
+        found = frozenset(names), frozenset(loop_vars)
+        object.__setattr__(node, "_names", found)
+    return found
 
 
 def groups(stmts, unlinked: frozenset[str] = frozenset()) -> list[list]:

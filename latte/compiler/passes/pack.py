@@ -45,8 +45,8 @@ from latte.compiler.ir import (
     Load,
     Loop,
     Ref,
-    rewrite,
-    walk,
+    rewrite_statements,
+    statements,
 )
 from latte.compiler.microkernel import dot_tile, in_place_tile, tile
 from latte.compiler.passes.data_copy import nest, variables
@@ -117,7 +117,7 @@ def tile_in_place(kernel: Kernel, vector: tuple[int, int], l2: int, shared: int)
         rows, cols, block = shape
         return replace(g, panel=(rows, cols, vector[0] // 32), packed=False, k_block=block)
 
-    return replace(kernel, body=rewrite(kernel.body, lambda n: tiled(n) if isinstance(n, Gemm)
+    return replace(kernel, body=rewrite_statements(kernel.body, lambda n: tiled(n) if isinstance(n, Gemm)
                                         else None))
 
 
@@ -133,7 +133,7 @@ def _in_place_tile(g: Gemm, vector: tuple[int, int], l2: int, shared: int):
 def measure_in_place(kernels: list[Kernel], vector: tuple[int, int], l2: int, shared: int) -> None:
     """Time together every product of ``kernels`` that :func:`in_place_pays` will ask about
     and this machine has not answered yet (:func:`~latte.compiler.trials.measure`)."""
-    trials.measure([trials.key(g) for kernel in kernels for g in walk(kernel.body)
+    trials.measure([trials.key(g) for kernel in kernels for g in statements(kernel.body)
                     if isinstance(g, Gemm) and timed(g)
                     and _in_place_tile(g, vector, l2, shared) is not None], vector, l2)
 

@@ -39,6 +39,7 @@ from latte.compiler.ir import (
     Loop,
     Ref,
     accesses,
+    rewrite_statements,
     touched,
 )
 
@@ -163,20 +164,15 @@ def _digits(consts: set[int]) -> list[tuple[int, int]] | None:
 
 
 def _overwrite(node, writers: list):
-    """``node`` with ``writers`` (statements of it that :func:`_in_order` reaches) as first
-    writers of zeros, which overwrite: a GEMM with ``beta = 0``, a ``+=`` as a plain store.
-    Only loops and blocks are entered (expressions hold no statements)."""
-    if any(node is w for w in writers):
-        if isinstance(node, Gemm):
-            return replace(node, beta=0.0)
-        return Assign(node.target, node.value) if isinstance(node, AugAssign) else node
-    if isinstance(node, Loop):
-        body = _overwrite(node.body, writers)
-        return node if body is node.body else replace(node, body=body)
-    if isinstance(node, Block):
-        stmts = tuple(_overwrite(c, writers) for c in node.stmts)
-        return node if all(a is b for a, b in zip(stmts, node.stmts)) else Block(stmts)
-    return node
+    """``node`` with ``writers`` (statements of it) as first writers of zeros, which
+    overwrite: a GEMM with ``beta = 0``, a ``+=`` as a plain store."""
+    def first(n):
+        if not any(n is w for w in writers):
+            return None
+        if isinstance(n, Gemm):
+            return replace(n, beta=0.0)
+        return Assign(n.target, n.value) if isinstance(n, AugAssign) else n
+    return rewrite_statements(node, first)
 
 
 def fold_zero_init(kernel: Kernel, zeroed: frozenset[Buffer] = frozenset()
