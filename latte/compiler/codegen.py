@@ -168,7 +168,7 @@ def tiled_key(g: Gemm) -> tuple:
 
 
 # what a tiled product's function costs LLVM, in the characters of a kernel shape that cost
-# as much (ResNet-50's and VGG-16's modules on an AMD EPYC: 3000 to 7600)
+# as much (fitted to ResNet-50's and VGG-16's modules on an AMD EPYC)
 TILED_COST = 5000
 
 
@@ -176,8 +176,7 @@ def split(segments: list, parts: int) -> list[list]:
     """``segments`` in at most ``parts`` groups of about equal LLVM work, each group's in
     their order, for one module each: a kernel shape costs the length of its IR once per
     group that runs it, a tiled product :data:`TILED_COST` once per group that calls it (a
-    group already holding it takes another caller for less: ResNet-50's two modules shared
-    about half as much code). Each segment (largest first)
+    group already holding it takes another caller for less). Each segment (largest first)
     joins the group it adds least to;
     then a segment moves to another group while that lowers the largest group's work (a
     test forward that shares its kernels with the training forward joins it once the

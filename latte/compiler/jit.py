@@ -162,8 +162,8 @@ class Target:
             return hashlib.sha256(text.encode()).digest() + self.object(text, speed)
 
         # several modules: all built in children, so that this process makes none of
-        # llvmlite's IR (cyclic garbage, ~10^5 objects a module, that the collector's next
-        # pass would walk once it is back on: 0.47 s of ResNet-50's net.init())
+        # llvmlite's IR (cyclic garbage that the collector's next pass, once it is back on,
+        # would walk inside net.init())
         out = side_by_side([lambda m=m: build(m) for m in modules], here=len(modules) == 1)
         return [one[:32] for one in out], [one[32:] for one in out]
 
