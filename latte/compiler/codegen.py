@@ -51,6 +51,7 @@ from latte.compiler.ir import (
     UnaryOp,
     Var,
     accesses,
+    statements,
     touched,
     walk,
 )
@@ -191,8 +192,8 @@ def split(segments: list, parts: int) -> list[list]:
         for kernel in seg.kernels:
             work[shape(kernel, False)] = len(shape(kernel, False))
             mine.add(shape(kernel, False))
-            for g in _products(kernel.body):
-                if g.panel:
+            for g in statements(kernel.body):
+                if isinstance(g, Gemm) and g.panel:
                     work[tiled_key(g)] = TILED_COST
                     mine.add(tiled_key(g))
         shapes.append(mine)
@@ -232,19 +233,6 @@ def split(segments: list, parts: int) -> list[list]:
                 improved = True
     return [[seg for seg, g in zip(segments, group) if g == k] for k in range(parts)
             if k in group]
-
-
-def _products(node) -> list[Gemm]:
-    """The GEMMs among ``node``'s statements (expressions hold none)."""
-    if isinstance(node, Gemm):
-        return [node]
-    if isinstance(node, Block):
-        return [g for s in node.stmts for g in _products(s)]
-    if isinstance(node, Loop):
-        return _products(node.body)
-    if isinstance(node, If):
-        return _products(node.then) + _products(node.orelse)
-    return []
 
 
 def check_bounds() -> bool:

@@ -2,9 +2,10 @@
 
 Codegen is a pure function of the native segments (names and kernels), the buffer table
 (each buffer's slot, shape and dtype), the thread count and the compiler's own source. The
-fingerprint encodes all of them canonically: every IR node by its class and its structural
-fields (those that take part in equality; a statement's source location and a loop's
-ensemble object do not reach the generated code), every buffer by its slot and layout. Two
+fingerprint encodes all of them canonically: each kernel as its :func:`shape` (every IR
+node by its class and its structural fields, those that take part in equality; a
+statement's source location and a loop's axis do not reach the generated code) and the
+slots of its buffers, every buffer by its slot and layout. Two
 programs with the same fingerprint generate the same LLVM IR, so the object cache can be
 looked up before the LLVM module is built (most of a warm ``net.init()``). An object of a
 type the encoder does not know is an error, never silently left out.
@@ -47,9 +48,9 @@ def kernel_buffers(kernel: Kernel) -> list[Buffer]:
     remembered by the kernel: kernels never change)."""
     found = kernel.__dict__.get("_buffers")
     if found is None:
-        found = list(dict.fromkeys(a.buffer for a in accesses(kernel.body)))
+        found = tuple(dict.fromkeys(a.buffer for a in accesses(kernel.body)))
         object.__setattr__(kernel, "_buffers", found)
-    return found
+    return list(found)
 
 
 def shape(kernel: Kernel, check_bounds: bool) -> str:

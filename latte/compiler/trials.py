@@ -110,10 +110,11 @@ def time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int],
     library = target().library(made_of.hexdigest(), lambda parts: [
         lambda part=part: module(range(part, len(gemms), parts))
         for part in range(min(parts, len(gemms)))])
-    def race(trials: range) -> bytes:
+
+    def race(share: range) -> bytes:
         ratios = []
         with one_blas_thread() as sgemm:
-            for i in trials:
+            for i in share:
                 (m, n, k, lda, ldb, ldc), g = products[i], gemms[i]
                 a, b, c = (np.full((buf.size,), 0.5, np.float32) for buf in (g.a_buf, g.b_buf, g.c_buf))
                 table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
@@ -130,8 +131,8 @@ def time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int],
     parts = min(compile_jobs(), len(products))
     dealt = [range(part, len(products), parts) for part in range(parts)]
     out = [0.0] * len(products)
-    for trials, data in zip(dealt, side_by_side([lambda t=t: race(t) for t in dealt])):
-        for i, ratio in zip(trials, np.frombuffer(data, np.float64)):
+    for share, data in zip(dealt, side_by_side([lambda t=t: race(t) for t in dealt])):
+        for i, ratio in zip(share, np.frombuffer(data, np.float64)):
             out[i] = float(ratio)
     return out
 
