@@ -19,7 +19,7 @@ import functools
 import hashlib
 from pathlib import Path
 
-from latte.compiler.ir import Axis, Buffer, Kernel, accesses
+from latte.compiler.ir import Axis, Buffer, Kernel, accesses, remembered
 
 _COMPILER = Path(__file__).parent
 
@@ -46,11 +46,8 @@ def fingerprint(segments, buffer_index: dict[Buffer, int], threads: int) -> str:
 def kernel_buffers(kernel: Kernel) -> list[Buffer]:
     """The buffers ``kernel`` touches, in order of first access (its function's arguments;
     remembered by the kernel: kernels never change)."""
-    found = kernel.__dict__.get("_buffers")
-    if found is None:
-        found = tuple(dict.fromkeys(a.buffer for a in accesses(kernel.body)))
-        object.__setattr__(kernel, "_buffers", found)
-    return list(found)
+    return list(remembered(kernel, "_buffers",
+                           lambda: tuple(dict.fromkeys(a.buffer for a in accesses(kernel.body)))))
 
 
 def shape(kernel: Kernel, check_bounds: bool) -> str:

@@ -18,8 +18,9 @@ class Node:
     """Base of every IR node."""
 
     def __getstate__(self) -> dict:
-        """The fields, without what a node remembers of itself (``_children``, ``_accesses``,
-        ``_offset``, a kernel's ``_shape``: remade when asked for), for a stored program."""
+        """The fields, without what a node remembers of itself (``_children``, ``_offset``,
+        a kernel's ``_shape``, what :func:`remembered` keeps: remade when asked for), for a
+        stored program."""
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
 
@@ -491,13 +492,11 @@ def accesses(node: Node) -> list[Access]:
     statement's target is one written access (a ``+=`` also reads it); identity is
     positional, so value-equal refs in the target and the value are reported apart. The
     node remembers its list (nodes never change)."""
-    known = node.__dict__.get("_accesses")
-    if known is not None:
-        return list(known)
-    out: list[Access] = []
-    _visit_accesses(node, (), out)
-    object.__setattr__(node, "_accesses", tuple(out))
-    return out
+    def visit() -> tuple[Access, ...]:
+        out: list[Access] = []
+        _visit_accesses(node, (), out)
+        return tuple(out)
+    return list(remembered(node, "_accesses", visit))
 
 
 def _ref_access(r: Ref, written: bool, loops: tuple, out: list[Access]) -> None:
@@ -537,15 +536,21 @@ def _visit_accesses(n: Node, loops: tuple, out: list[Access]) -> None:
 def touched(node: Node) -> frozenset[Buffer]:
     """The buffers of :func:`accesses` below ``node``, without building the accesses (each
     node remembers its set: nodes never change, and most outlive the pass that asked)."""
-    found = node.__dict__.get("_touched")
-    if found is None:
+    def find() -> frozenset[Buffer]:
         if isinstance(node, Gemm):
-            found = frozenset(a.buffer for a in accesses(node))
-        else:
-            found = frozenset().union(*map(touched, children(node)))
-            if isinstance(node, Ref):
-                found |= {node.buffer}
-        object.__setattr__(node, "_touched", found)
+            return frozenset(a.buffer for a in accesses(node))
+        found = frozenset().union(*map(touched, children(node)))
+        return found | {node.buffer} if isinstance(node, Ref) else found
+    return remembered(node, "_touched", find)
+
+
+def remembered(owner, name: str, compute: Callable):
+    """``compute()``, kept on ``owner`` (a frozen dataclass: it never changes) as ``name``
+    and found there the next time. Pickled nodes leave such attributes out."""
+    found = owner.__dict__.get(name)
+    if found is None:
+        found = compute()
+        object.__setattr__(owner, name, found)
     return found
 
 

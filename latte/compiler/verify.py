@@ -52,6 +52,7 @@ from latte.compiler.ir import (
     Var,
     accesses,
     children,
+    remembered,
     to_affine,
     walk,
 )
@@ -73,11 +74,7 @@ class Scope:
 
     def bound(self) -> frozenset[str]:
         """The loop variables bound here (remembered by the scope: scopes never change)."""
-        found = self.__dict__.get("_bound")
-        if found is None:
-            found = frozenset(v for v, _, _ in self.loops)
-            object.__setattr__(self, "_bound", found)
-        return found
+        return remembered(self, "_bound", lambda: frozenset(v for v, _, _ in self.loops))
 
 
 def walk_scoped(node: Node, scope: Scope, visit: Callable[[Node, Scope], None]) -> None:
@@ -113,12 +110,9 @@ def walk_scoped(node: Node, scope: Scope, visit: Callable[[Node, Scope], None]) 
 
 def _assigned(stmt: Node) -> frozenset[str]:
     """The locals ``stmt`` assigns (remembered by the statement: nodes never change)."""
-    found = stmt.__dict__.get("_assigned")
-    if found is None:
-        found = frozenset(n.target.name for n in walk(stmt)
-                          if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Var))
-        object.__setattr__(stmt, "_assigned", found)
-    return found
+    return remembered(stmt, "_assigned", lambda: frozenset(
+        n.target.name for n in walk(stmt)
+        if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Var)))
 
 
 def _of_loops(e: Expr, loops: frozenset[str]) -> bool:

@@ -27,6 +27,7 @@ from latte.compiler.ir import (
     Ref,
     Var,
     children,
+    remembered,
     walk,
     written_refs,
 )
@@ -64,8 +65,7 @@ def _locals(stmt) -> frozenset[str]:
 def _names(node) -> tuple[frozenset[str], frozenset[str]]:
     """The variable names below ``node`` and the loop variables among its loops (remembered
     by the node: nested loops ask for their statements' at every level)."""
-    found = node.__dict__.get("_names")
-    if found is None:
+    def find() -> tuple[frozenset[str], frozenset[str]]:
         names, loop_vars = set(), set()
         for child in children(node):
             more, bound = _names(child)
@@ -75,9 +75,8 @@ def _names(node) -> tuple[frozenset[str], frozenset[str]]:
             names.add(node.name)
         if isinstance(node, Loop):
             loop_vars.add(node.var)
-        found = frozenset(names), frozenset(loop_vars)
-        object.__setattr__(node, "_names", found)
-    return found
+        return frozenset(names), frozenset(loop_vars)
+    return remembered(node, "_names", find)
 
 
 def groups(stmts, unlinked: frozenset[str] = frozenset()) -> list[list]:
