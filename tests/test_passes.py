@@ -560,6 +560,79 @@ def test_splitting_keeps_a_test_that_holds_nowhere_whole_on_the_loop():
     _same_result(before, after)
 
 
+def _tiled_window(per_row: bool = False) -> Kernel:
+    """A skewed fused group's stride-2 window read through padding, in tiles of 2 output
+    rows: ``out[2t + r] = sum_i x[4t + 2r + i - 5]`` over ``t`` (the tile loop) and ``r``
+    (the first two tiles read padding in every row). With ``per_row`` the test sits in an
+    ``if`` around the window's loop (a gather's test per row)."""
+    size, tiles = 12, 4
+    x, out = _buf("x", size), _buf("out", 2 * tiles)
+    at = Affine.of("t", 4) + Affine.of("r", 2) + Affine.of("i") - 5
+    guard = BoolOp("and", (Compare(">=", at, Const(0)), Compare("<", at, Const(size))))
+    row = _ref(out, Affine.of("t", 2) + Affine.of("r"))
+    if per_row:
+        read = Load(Ref(x, (at,), x.shape))
+        window = If(guard, Block((Loop("i", 0, 3, Block((AugAssign(row, "+", read),))),)))
+    else:
+        read = Select(guard, Load(Ref(x, (at,), x.shape)), Const(0.0))
+        window = Loop("i", 0, 3, Block((AugAssign(row, "+", read),)))
+    rows = Loop("r", 0, 2, Block((window,)), kind=LoopKind.TILE_INNER, axis=Axis(None, 0, "out"))
+    tile = Loop("t", 0, tiles, Block((rows,)), kind=LoopKind.TILE_OUTER,
+                axis=Axis(None, 0, "out"))
+    return Kernel("tiled", Block((tile,)))
+
+
+def _per_tile_tests(loop: Loop) -> list:
+    """The ``if`` statements in ``loop``'s body that test its variable alone."""
+    return [n for n in walk(loop.body) if isinstance(n, If)
+            and {m.lhs for m in walk(n.cond) if isinstance(m, Compare)} == {Affine.of(loop.var)}]
+
+
+def test_a_test_on_the_tile_index_is_decided_once_per_tile():
+    """No row of a tile reads inside on every tile, so the rows cannot split; from the
+    third tile on every read is inside: the nest runs as ``if t >= 2: <no tests> else:
+    <the nest>``."""
+    before = _tiled_window()
+    after = split_guards(before)
+    (tile,) = after.body.stmts
+    (versioned,) = tile.body.stmts
+    assert versioned.cond == Compare(">=", Affine.of("t"), Const(2))
+    assert _selects(versioned.then) == 0 and _selects(versioned.orelse) == 1
+    _same_result(before, after)
+
+
+def test_a_test_per_row_is_not_worth_a_copy_of_the_nest():
+    after = split_guards(_tiled_window(per_row=True))
+    assert not _per_tile_tests(after.body.stmts[0])
+
+
+def test_a_fused_pooling_after_a_relu_computes_the_same_without_tests_in_inner_tiles():
+    """ReLU then a padded 3x3 stride-2 max-pool (ResNet's stem) fuse tile by tile; the
+    pool's reads test the tile index, decided once per tile."""
+    def pooled(opt_level):
+        net = Net(2, opt_level=opt_level, num_threads=2 if opt_level >= 2 else 1)
+        x = MemoryDataLayer(net, "x", (8, 64, 64))   # tiles of 2 pooled rows
+        relu = ReLULayer("relu", net, x)
+        WeightedSumLoss(net, "loss", MaxPoolingLayer("pool", net, relu, 3, 2, 1))
+        net.init()
+        fill(net, x, np.random.default_rng(5))
+        net.forward()
+        net.backward()
+        return net
+
+    base, opt = pooled(0), pooled(3)
+    (group,) = opt.program.groups
+    assert [p.ensemble.name for p in group.plans] == ["relu", "pool"]
+    for phase in ("forward", "backward"):
+        kernel = group.owner(phase).kernels[phase]
+        tiles = [n for n in walk(kernel.body) if isinstance(n, Loop)
+                 and n.kind is LoopKind.TILE_OUTER]
+        assert any(_selects(n.then) < _selects(n.orelse)
+                   for t in tiles for n in _per_tile_tests(t)), phase
+    np.testing.assert_array_equal(opt.value("pool"), base.value("pool"))
+    np.testing.assert_array_equal(opt.grad("x"), base.grad("x"))
+
+
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_a_padded_pooling_runs_its_interior_without_tests_and_computes_the_same(level):
     def pooled(opt_level):

@@ -11,7 +11,15 @@ middle one with those terms taken as true and the tests they decide removed. Ter
 hold on the whole loop are removed without a split. Only loops over an ensemble's
 dimensions split (a neuron's own loops, a window's, are short: LLVM unrolls them), not
 those over tiles (the rows inside a tile split instead), not those a parallel loop
-collapses with, nor a body too large to copy. ``LATTE_SPLIT_GUARDS=0`` turns it off.
+collapses with, nor a body too large to copy.
+
+A test on the tile index as well (a fused group's pool or convolution reading its
+producer's rows ``2*y + 4*t - 5``: the rows inside a tile cannot split, as the first tiles
+fail it) is decided per tile instead: each nest in the tile loop's body that holds such
+tests runs as ``if <the tile is inside>: <the nest without them> else: <the nest>``, where
+inside is the range of tiles on which they hold for every value of the nest's variables.
+Inside an ``if``, its tests on one variable narrow that variable's range (a skewed group's
+consumer runs from the second tile on). ``LATTE_SPLIT_GUARDS=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from latte.compiler.ir import (
     Block,
     BoolOp,
     Compare,
+    Const,
     If,
     Kernel,
     Loop,
@@ -56,7 +65,8 @@ def _flat(stmts) -> Block:
 
 def _stmt(s, ranges: dict, collapsed: int):
     if isinstance(s, If):
-        return replace(s, then=_block(s.then, ranges, 0), orelse=_block(s.orelse, ranges, 0))
+        return replace(s, then=_block(s.then, _narrowed(ranges, s.cond), 0),
+                       orelse=_block(s.orelse, ranges, 0))
     if not isinstance(s, Loop):
         return s
     inner = {**ranges, s.var: (s.start, s.stop - 1)}
@@ -64,8 +74,52 @@ def _stmt(s, ranges: dict, collapsed: int):
         nested = dict(s.meta).get("collapse", 1) - 1
         return replace(s, body=_block(s.body, inner, nested))
     s = replace(s, body=_block(s.body, inner, max(collapsed - 1, 0)))
-    whole = collapsed or s.axis is None or s.kind is LoopKind.TILE_OUTER
-    return s if whole else _split(s, ranges)
+    if s.kind is LoopKind.TILE_OUTER:
+        return replace(s, body=_per_tile(s.body, s.var, inner))
+    return s if collapsed or s.axis is None else _split(s, ranges)
+
+
+def _per_tile(block: Block, var: str, ranges: dict) -> Block:
+    """``block`` (in a loop over tiles ``var``) with each nest that tests ``var`` against a
+    border run without those tests on the tiles where they hold throughout it."""
+    out = []
+    for s in block.stmts:
+        if isinstance(s, If):
+            s = replace(s, then=_per_tile(s.then, var, _narrowed(ranges, s.cond)),
+                        orelse=_per_tile(s.orelse, var, ranges))
+        elif isinstance(s, Loop):
+            s = _version(s, var, ranges)
+        out.append(s)
+    return Block(tuple(out))
+
+
+def _version(nest: Loop, var: str, ranges: dict):
+    """``if <tile var inside>: nest without its tests on var else: nest``, or ``nest``. Only
+    tests made per element count (a select, an ``if`` around no loop): a gather's test per
+    row (an ``if`` around the row's loop) costs too little to copy the nest for."""
+    nodes = list(walk(nest))
+    terms = {t for n in nodes for t in _guard_terms(n) if var in t.lhs.vars
+             and not (isinstance(n, If) and any(isinstance(m, Loop) for m in walk(n)))}
+    if not terms or len(nodes) > MAX_BODY:
+        return nest
+    inside = _loop_ranges(nodes)
+    if var in inside:
+        return nest
+    known = {**ranges, **inside}
+    lo, hi = ranges[var][0], ranges[var][1] + 1
+    held = set()
+    for t in terms:
+        bound = interior(t, var, known)
+        if bound is not None and max(bound[0], lo) < min(bound[1], hi):
+            held.add(t)
+            lo, hi = max(bound[0], lo), min(bound[1], hi)
+    if not held or (lo, hi) == (ranges[var][0], ranges[var][1] + 1):
+        return nest if not held else _assume(Block((nest,)), held).stmts[0]
+    tile = Affine.of(var)
+    cond = conj([c for c, needed in ((Compare(">=", tile, Const(lo)), lo > ranges[var][0]),
+                                     (Compare("<", tile, Const(hi)), hi <= ranges[var][1]))
+                 if needed])
+    return If(cond, _assume(Block((nest,)), held), Block((nest,)))
 
 
 def _split(loop: Loop, ranges: dict):
@@ -101,9 +155,26 @@ def _split(loop: Loop, ranges: dict):
 
 def _guard_terms(node):
     """The ``affine >= c`` / ``affine < c`` conjuncts of ``node``'s test (a select or an if)."""
-    if not isinstance(node, (Select, If)):
-        return ()
-    stack, out = [node.cond], []
+    return _terms(node.cond) if isinstance(node, (Select, If)) else ()
+
+
+def _narrowed(ranges: dict, cond) -> dict:
+    """``ranges`` where ``cond`` holds: each of its terms on one variable narrows that
+    variable's range (where that leaves it empty, ``ranges`` as they were)."""
+    out = dict(ranges)
+    for t in _terms(cond):
+        (var, *more) = t.lhs.vars or (None,)
+        bound = None if more or var not in out else interior(t, var, {})
+        if bound is not None:
+            lo, hi = max(out[var][0], bound[0]), min(out[var][1], bound[1] - 1)
+            if lo > hi:
+                return ranges
+            out[var] = (lo, hi)
+    return out
+
+
+def _terms(cond) -> list:
+    stack, out = [cond], []
     while stack:
         c = stack.pop()
         if isinstance(c, BoolOp) and c.op == "and":
