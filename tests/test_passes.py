@@ -453,6 +453,19 @@ def test_pointwise_nests_merge_only_where_each_iteration_owns_its_elements(first
     _same_result(Kernel("test", Block((first, second))), Kernel("test", Block(merged)))
 
 
+def test_pointwise_nests_merge_inside_the_arm_of_an_if():
+    """A skewed group runs its members under tests on the tile: nests in one arm merge."""
+    add = _over_cx(Assign(_ref(_Z, "c", "x"),
+                          BinOp("+", Load(_ref(_Y, "c", "x")), Load(_ref(_X, "c", "x")))))
+    guarded = If(Compare("<", Affine.of("t"), Const(3)), Block((_DOUBLE, add)))
+    (merged,) = merge_pointwise((guarded,))
+    assert len(merged.then.stmts) == 1
+    for t in (0, 5):   # the arm runs, and it does not
+        before, after = (Kernel("test", Block((Loop("t", t, t + 1, Block((s,))),)))
+                         for s in (guarded, merged))
+        _same_result(before, after)
+
+
 # ---------------------------------------------------------------- unswitching
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from latte.compiler.ir import Block, Gemm, Kernel, Loop, LoopKind, accesses, walk
+from latte.compiler.ir import Block, Gemm, If, Kernel, Loop, LoopKind, accesses, walk
 from latte.compiler.passes.tiling import tile_loop, tile_rows
 
 
@@ -41,9 +41,13 @@ def fuse_nests(kernel: Kernel) -> Kernel:
 
 def merge_pointwise(stmts: tuple) -> tuple:
     """``stmts`` with each run of consecutive point-wise nests over the same loops merged
-    into one nest (see the module's docstring)."""
+    into one nest (see the module's docstring), in the arms of an ``if`` too (a skewed
+    group's members run under tests on the tile)."""
     out: list = []   # (statement, its loops)
     for s in stmts:
+        if isinstance(s, If):
+            s = replace(s, then=Block(merge_pointwise(s.then.stmts)),
+                        orelse=Block(merge_pointwise(s.orelse.stmts)))
         loops = _perfect(s)
         if out and loops is not None and out[-1][1] == loops and _pointwise(out[-1][0], s, loops):
             out[-1] = (_join(out[-1][0], s), loops)
