@@ -619,21 +619,24 @@ def test_a_test_per_row_is_not_worth_a_copy_of_the_nest():
     assert not _per_tile_tests(after.body.stmts[0])
 
 
+def _pooled(opt_level: int, shape: tuple, relu: bool = False) -> Net:
+    """A padded 3x3 stride-2 max-pool (after a ReLU), its forward and backward run."""
+    net = Net(2, opt_level=opt_level, num_threads=2 if opt_level >= 2 else 1)
+    x = MemoryDataLayer(net, "x", shape)
+    WeightedSumLoss(net, "loss", MaxPoolingLayer(
+        "pool", net, ReLULayer("relu", net, x) if relu else x, 3, 2, 1))
+    net.init()
+    fill(net, x, np.random.default_rng(3))
+    net.forward()
+    net.backward()
+    return net
+
+
 def test_a_fused_pooling_after_a_relu_computes_the_same_without_tests_in_inner_tiles():
     """ReLU then a padded 3x3 stride-2 max-pool (ResNet's stem) fuse tile by tile; the
     pool's reads test the tile index, decided once per tile."""
-    def pooled(opt_level):
-        net = Net(2, opt_level=opt_level, num_threads=2 if opt_level >= 2 else 1)
-        x = MemoryDataLayer(net, "x", (8, 64, 64))   # tiles of 2 pooled rows
-        relu = ReLULayer("relu", net, x)
-        WeightedSumLoss(net, "loss", MaxPoolingLayer("pool", net, relu, 3, 2, 1))
-        net.init()
-        fill(net, x, np.random.default_rng(5))
-        net.forward()
-        net.backward()
-        return net
-
-    base, opt = pooled(0), pooled(3)
+    shape = (8, 64, 64)   # tiles of 2 pooled rows
+    base, opt = _pooled(0, shape, relu=True), _pooled(3, shape, relu=True)
     (group,) = opt.program.groups
     assert [p.ensemble.name for p in group.plans] == ["relu", "pool"]
     for phase in ("forward", "backward"):
@@ -648,17 +651,7 @@ def test_a_fused_pooling_after_a_relu_computes_the_same_without_tests_in_inner_t
 
 @pytest.mark.parametrize("level", [1, 2, 3])
 def test_a_padded_pooling_runs_its_interior_without_tests_and_computes_the_same(level):
-    def pooled(opt_level):
-        net = Net(2, opt_level=opt_level, num_threads=2 if opt_level >= 2 else 1)
-        x = MemoryDataLayer(net, "x", (3, 9, 10))
-        WeightedSumLoss(net, "loss", MaxPoolingLayer("pool", net, x, 3, 2, 1))
-        net.init()
-        fill(net, x, np.random.default_rng(3))
-        net.forward()
-        net.backward()
-        return net
-
-    base, opt = pooled(0), pooled(level)
+    base, opt = _pooled(0, (3, 9, 10)), _pooled(level, (3, 9, 10))
     plan = next(p for p in opt.program.plans if p.ensemble.name == "pool")
     for kernel in (plan.kernels["forward"], plan.kernels["backward"]):
         assert any(isinstance(n, Loop) and n.axis is not None and n.extent > 1
