@@ -106,20 +106,24 @@ def _version(nest: Loop, var: str, ranges: dict):
     if var in inside:
         return nest
     known = {**ranges, **inside}
-    lo, hi = ranges[var][0], ranges[var][1] + 1
+    whole = (ranges[var][0], ranges[var][1] + 1)
+    lo, hi = whole
     held = set()
     for t in terms:
         bound = interior(t, var, known)
         if bound is not None and max(bound[0], lo) < min(bound[1], hi):
             held.add(t)
             lo, hi = max(bound[0], lo), min(bound[1], hi)
-    if not held or (lo, hi) == (ranges[var][0], ranges[var][1] + 1):
-        return nest if not held else _assume(Block((nest,)), held).stmts[0]
+    if not held:
+        return nest
+    fast = _assume(Block((nest,)), held)
+    if (lo, hi) == whole:
+        return fast.stmts[0]
     tile = Affine.of(var)
-    cond = conj([c for c, needed in ((Compare(">=", tile, Const(lo)), lo > ranges[var][0]),
-                                     (Compare("<", tile, Const(hi)), hi <= ranges[var][1]))
+    cond = conj([c for c, needed in ((Compare(">=", tile, Const(lo)), lo > whole[0]),
+                                     (Compare("<", tile, Const(hi)), hi < whole[1]))
                  if needed])
-    return If(cond, _assume(Block((nest,)), held), Block((nest,)))
+    return If(cond, fast, Block((nest,)))
 
 
 def _split(loop: Loop, ranges: dict):
@@ -163,8 +167,10 @@ def _narrowed(ranges: dict, cond) -> dict:
     variable's range (where that leaves it empty, ``ranges`` as they were)."""
     out = dict(ranges)
     for t in _terms(cond):
-        (var, *more) = t.lhs.vars or (None,)
-        bound = None if more or var not in out else interior(t, var, {})
+        if len(t.lhs.vars) != 1:
+            continue
+        (var,) = t.lhs.vars
+        bound = interior(t, var, {}) if var in out else None
         if bound is not None:
             lo, hi = max(out[var][0], bound[0]), min(out[var][1], bound[1] - 1)
             if lo > hi:
