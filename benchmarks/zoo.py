@@ -18,7 +18,10 @@ one (warm), and is timed in that second run. Validate at small settings, e.g.
 ``--size 128 --nets alexnet --repeat 2 --threads 1``. ``--layers`` times latte with one
 native segment per ensemble (or fused group), and prints each one's milliseconds, GFLOP/s and
 share of the machine's peak (``latte run --profile``'s table); in inference, onnxruntime's
-own profile per node after it (``--frameworks latte`` leaves it out).
+own profile per node after it; then, per stage of the net (ResNet's ``layer1`` to
+``layer4``, VGG's ``conv1`` ...), latte's forward and backward milliseconds beside each
+PyTorch framework's, timed in PyTorch's profiler (each twin step's call, and the autograd
+nodes its operations made). ``--frameworks`` picks the peers.
 """
 
 from __future__ import annotations
@@ -126,7 +129,8 @@ def latte_worker(args) -> dict:
             fn()
         net.profile.reset()
         ms = median_ms(fn, 0, args.repeat)
-        return {"ms": ms, "init_s": init_s, "layers": net.profile.format(peak())}
+        return {"ms": ms, "init_s": init_s, "layers": net.profile.format(peak()),
+                "rows": net.profile.ms_per_call()}
     return {"ms": median_ms(fn, args.warmup, args.repeat), "init_s": init_s,
             "from_cache": bool(net.program.library.from_cache)}
 
@@ -154,8 +158,54 @@ def torch_worker(args) -> dict:
             opt.zero_grad(set_to_none=False)
             torch.nn.functional.cross_entropy(twin.train()(x), y).backward()
             opt.step()
-    return {"ms": median_ms(fn, args.warmup, args.repeat),
-            "note": f"torch {torch.__version__}"}
+    out = {"ms": median_ms(fn, args.warmup, args.repeat), "note": f"torch {torch.__version__}"}
+    if args.layers:
+        out["rows"] = torch_rows(twin, fn, args.repeat)
+    return out
+
+
+def torch_rows(twin, fn, runs: int) -> dict[str, dict[str, float]]:
+    """Per step of the twin (named as latte's ensembles), its forward and backward
+    milliseconds per call of ``fn`` over ``runs`` calls in PyTorch's profiler: a step's
+    forward is its call, its backward the autograd nodes its operations made (matched by
+    sequence number); ``(other)`` is the rest (the loss, zeroing, the update)."""
+    import types  # noqa: PLC0415
+
+    from torch.profiler import profile, record_function  # noqa: PLC0415
+
+    def traced(self, x):
+        values = {self.input.name: x}
+        for node, step, inputs in self.steps:
+            with record_function(f"step:{node.name}"):
+                values[node.name] = (step or self.layers[node.name])(
+                    *(values[i.name] for i in inputs))
+        return values[self.output.name]
+
+    twin.forward = types.MethodType(traced, twin)
+    start = time.perf_counter()
+    with profile() as prof:
+        for _ in range(runs):
+            fn()
+    total_us = (time.perf_counter() - start) * 1e6
+    rows: dict[str, dict[str, float]] = {}
+    owner: dict[int, str] = {}   # an operation's sequence number -> its step
+    events = prof.events()
+    for e in events:
+        if e.name.startswith("step:"):
+            row = rows.setdefault(e.name[5:], {"forward": 0.0, "backward": 0.0})
+            row["forward"] += e.cpu_time_total
+            todo = list(e.cpu_children)
+            while todo:
+                op = todo.pop()
+                if op.sequence_nr >= 0:
+                    owner[op.sequence_nr] = e.name[5:]
+                todo += op.cpu_children
+    for e in events:
+        if e.name.startswith("autograd::engine::evaluate_function:") and e.sequence_nr in owner:
+            rows[owner[e.sequence_nr]]["backward"] += e.cpu_time_total
+    counted = sum(r["forward"] + r["backward"] for r in rows.values())
+    rows["(other)"] = {"forward": 0.0, "backward": max(total_us - counted, 0.0)}
+    return {name: {k: us / runs / 1e3 for k, us in row.items()} for name, row in rows.items()}
 
 
 def ort_worker(args) -> dict | None:
@@ -233,8 +283,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="a smoke run: 2 repetitions")
     ap.add_argument("--layers", action="store_true",
-                    help="latte's time, GFLOP/s and share of the peak per ensemble, and "
-                         "onnxruntime's time per node (inference)")
+                    help="latte's time, GFLOP/s and share of the peak per ensemble, "
+                         "onnxruntime's time per node (inference), and each stage's time "
+                         "in latte and PyTorch")
     ap.add_argument("--stock-malloc", action="store_true",
                     help="leave glibc malloc as it is (see harness.KEEP_FREED_MEMORY)")
     ap.add_argument("--worker", default=None, help="internal: run one measurement")
@@ -250,13 +301,7 @@ def main() -> None:
         for net in args.nets:
             for mode in args.modes:
                 for threads in args.threads:
-                    for fw in [f for f in ("latte", "onnxruntime") if f in args.frameworks]:
-                        result = run(args, fw, net, mode, threads, tempfile.gettempdir())
-                        if result is not None:
-                            print(f"{fw} {net}, {mode} (batch {MODES[mode]}), {threads} "
-                                  f"thread(s), {args.size}x{args.size}: {result['ms']:.1f} ms "
-                                  "a run (profiled)")
-                            print(result["layers"])
+                    _layers(args, net, mode, threads)
         return
     load, rows = OtherLoad(), []
     for net in args.nets:
@@ -271,6 +316,61 @@ def main() -> None:
     print(table(rows, ["net", "mode (batch)", "threads", "framework", "ms", "GFLOP/s",
                        "other/latte", "peak MiB", "compile cold s", "compile warm s", "notes"]))
     print(load.note())
+
+
+def _layers(args, net: str, mode: str, threads: int) -> None:
+    """``--layers``: latte's profile and onnxruntime's (inference), then each stage's
+    forward and backward milliseconds in latte and in each PyTorch framework asked for."""
+    found, fused = {}, {}
+    for fw in args.frameworks:
+        result = run(args, fw, net, mode, threads, tempfile.gettempdir())
+        if result is None:
+            continue
+        if fw == "latte":   # a fused group's members count in its first one's stage
+            fused = {m: g.split("+")[0] for g in result["rows"] for m in g.split("+")}
+        found[fw] = stages(result["rows"], fused) if "rows" in result else None
+        print(f"{fw} {net}, {mode} (batch {MODES[mode]}), {threads} thread(s), "
+              f"{args.size}x{args.size}: {result['ms']:.1f} ms a run"
+              + ("" if fw.startswith("torch") else " (profiled)"))
+        if "layers" in result:
+            print(result["layers"])
+    peers = [fw for fw in found if fw.startswith("torch")]
+    if "latte" not in found or not peers:
+        return
+    print(f"per stage, ms per run (PyTorch in its profiler, whose overhead it includes; "
+          f"other/latte: forward and backward together); {machine()}")
+    rows = []
+    for stage in dict.fromkeys([*found["latte"], *(s for fw in peers for s in found[fw])]):
+        mine = found["latte"].get(stage)
+        row = [stage, *_cells(mine)]
+        for fw in peers:
+            theirs = found[fw].get(stage)
+            ratio = (f"{sum(theirs) / sum(mine):.2f}" if mine and theirs and sum(mine) else "-")
+            row += [*_cells(theirs), ratio]
+        rows.append(row)
+    heads = ["stage", "latte fwd", "latte bwd"]
+    for fw in peers:
+        heads += [f"{fw} fwd", f"{fw} bwd", f"{fw}/latte"]
+    print(table(rows, heads))
+
+
+def stages(rows: dict[str, dict[str, float]], fused: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """``(forward, backward)`` milliseconds per stage: rows (an ensemble, a fused group
+    ``a+b``, a twin's step) summed by their first ensemble's name (through ``fused``: the
+    group's first member) up to its first ``_`` (ResNet's ``layer3``, VGG's ``conv4``); a
+    test forward counts as forward, runtime rows (``(sgd_update)``) stay their own."""
+    out: dict[str, tuple[float, float]] = {}
+    for name, ms in rows.items():
+        first = name.split("+")[0]
+        stage = name if name.startswith("(") else fused.get(first, first).split("_")[0]
+        fwd, bwd = out.get(stage, (0.0, 0.0))
+        out[stage] = (fwd + ms.get("forward", 0.0) + ms.get("test", 0.0),
+                      bwd + ms.get("backward", 0.0) + ms.get("update", 0.0))
+    return out
+
+
+def _cells(ms: tuple[float, float] | None) -> list[str]:
+    return [f"{v:.2f}" if ms and v else "-" for v in (ms or (0.0, 0.0))]
 
 
 def _rows(args, net: str, mode: str, threads: int, work: float) -> list[list[str]]:
