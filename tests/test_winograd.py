@@ -234,6 +234,32 @@ def test_small_images_share_products_across_items(level, shape, batch, threads, 
     _close(got, want)
 
 
+def _private_batched(net) -> set[str]:
+    """The batched buffers (values, input gradients) the kernels keep one copy of per
+    thread."""
+    return {r.buffer.name for p in net.program.plans for k in p.kernels.values()
+            for r in walk(k.body) if isinstance(r, Ref) and r.buffer.key[-1] == "private"
+            and r.buffer.key[0].batched}
+
+
+@pytest.mark.parametrize("shape,batch", [((16, 8, 8), 16), ((8, 7, 7), 12)],
+                         ids=["whole-tiles", "partial-tiles"])
+def test_blocks_of_items_run_in_parallel_on_their_own_outputs(shape, batch, scheme):
+    """Blocks of items (item ``4 * block + i``) store only their own items' outputs and input
+    gradients: the threads share the block loop, with no per-thread copy of the output or
+    the input gradient to zero and sum after (only the weights' gradients have one); equals
+    level 0."""
+    net, got = _run(3, _conv(8, 1), shape, batch, 2)
+    tiles = -(-shape[1] // scheme) * -(-shape[2] // scheme)
+    assert _widths(net, "forward") == _widths(net, "backward") == {4 * tiles}
+    for phase in ("forward", "backward"):
+        kernel = next(p for p in net.program.plans if p.ensemble.name == "conv").kernels[phase]
+        assert any(is_batch_loop(s) and s.kind is LoopKind.PARALLEL for s in kernel.body.stmts)
+    assert not _private_batched(net)
+    _, want = _run(0, _conv(8, 1), shape, batch, 2)
+    _close(got, want)
+
+
 def _conv_relu_conv(net, x):
     conv1 = ReLULayer("relu1", net, ConvolutionLayer("conv1", net, x, 8, 3, pad=1))
     return ConvolutionLayer("conv2", net, conv1, 8, 3, pad=1)

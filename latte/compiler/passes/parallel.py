@@ -5,9 +5,10 @@
   The tile loop joins the batch loop only when tiles write disjoint regions; where a
   scatter's windows overlap between neighbouring tiles (a convolution's input gradient),
   tiles of one item stay on one thread.
-- Buffers the nest accumulates into without the batch index (weight and bias gradients)
-  become thread-private copies, zeroed before the loop and reduced after it in thread
-  order, so results do not depend on timing.
+- Buffers the nest accumulates into outside the items an iteration owns (its item, or
+  Winograd's block of items): weight and bias gradients, become thread-private copies,
+  zeroed before the loop and reduced after it in thread order, so results do not depend
+  on timing.
 - Where ``batch x tiles`` has fewer items than threads (one image), the threads share each
   statement of a tile instead (:func:`_within`): its GEMM split, its loops over channels
   run in parallel where their iterations store to disjoint elements.
@@ -113,6 +114,21 @@ def per_item(a: Access, batch: str) -> bool:
     return a.offset is not None and a.offset.coef(batch) == a.buffer.size // a.buffer.shape[0]
 
 
+def _own_items(a: Access, nest: Loop, extents: dict[str, int]) -> bool:
+    """The access lands in batch items no other iteration of the batch loop ``nest`` touches:
+    its item is the loop's (:func:`per_item`), or ``k * var + e`` where ``e``, over the loops
+    inside (``extents``), moves by less than ``k`` (Winograd's blocks of items)."""
+    if per_item(a, nest.var):
+        return True
+    if not a.buffer.batched or a.index is None or not isinstance(a.index[0], Affine):
+        return False
+    first = a.index[0]
+    step = first.coef(nest.var)
+    inner = [(v, k) for v, k in first.terms if v != nest.var]
+    return step >= 1 and all(v in extents for v, _ in inner) and \
+        sum(abs(k) * (extents[v] - 1) for v, k in inner) < step
+
+
 def _is_scratch(buf) -> bool:
     return buf.key[0] == "scratch"
 
@@ -121,7 +137,8 @@ def _batch_nest(nest: Loop, bufs, l2: int) -> list:
     extents = {n.var: n.extent for n in walk(nest) if isinstance(n, Loop)}
     # in order of first store: a set of buffers (hashed by address) would order the copies,
     # and with them the generated code, differently in every process
-    private = list(dict.fromkeys(a.buffer for a in _stores(nest) if not per_item(a, nest.var)))
+    private = list(dict.fromkeys(a.buffer for a in _stores(nest)
+                                 if not _own_items(a, nest, extents)))
     collapse = 1
     tile = tile_loop(nest)
     # a skewed tile loop's tiles depend on earlier ones
