@@ -26,6 +26,7 @@ from latte.compiler.microkernel import (
     in_place_tile,
     tile,
 )
+from latte.compiler.passes.pack import _dot
 from latte.stdlib import FullyConnectedLayer, LSTMLayer, MemoryDataLayer, SoftmaxLossLayer
 
 
@@ -112,6 +113,24 @@ def test_a_large_b_in_place_runs_in_blocks_of_k_that_stay_in_cache():
     assert in_place_tile(64, 49, 2304, 16, 32, 512 << 10)[2] == 0
     assert in_place_tile(32, 49, 4608, 16, 32, 512 << 10)[2] == 0
     assert in_place_tile(64, 49, 4608, 16, 32, 512 << 10, trans_a=True)[2] == 0
+
+
+@pytest.mark.parametrize("m,n,k,lanes,dots", [
+    (64, 64, 112, 16, True),      # ResNet's 64-channel Winograd weight gradient: 7 vectors
+    (64, 64, 63, 16, False),      # under 64 floats
+    (128, 128, 98, 16, False),    # 128 channels: 6 vectors, under 8
+    (128, 128, 128, 16, True),    # 8 vectors
+    (64, 64, 112, 8, True),       # AVX2: 14 vectors
+    (64, 64, 40, 8, False),       # AVX2: 5 vectors (under 64 floats)
+    (64, 576, 112, 16, False),    # a 3x3 layer's 576 window elements: more than 64 rows
+])
+def test_dot_products_take_short_sums_over_few_rows(m, n, k, lanes, dots):
+    """A product of both operands along ``k`` runs as dot products from 8 vectors of ``k``,
+    or from 64 floats where neither operand has more than 64 rows (BLAS's packing then
+    costs more than the dot products' sums across lanes)."""
+    a, b, c = (Buffer((name,), name, (4096,)) for name in "abc")
+    g = Gemm(m, n, k, a, Affine(), k, False, b, Affine(), k, True, c, Affine(), n, beta=1.0)
+    assert (_dot(g, (lanes * 32, 32), 1 << 20) is not None) == dots
 
 
 @pytest.mark.parametrize("m,n,k,rows,cols,lanes", [

@@ -58,8 +58,11 @@ MIN_ROWS, MIN_ROWS_TRANSPOSED = 512, 1024
 TRANSPOSE = 16   # rows of B a transposing pack reads at a time
 # dot products along k beat BLAS from 8 vectors of k, over at most 128 rows of the operand
 # streamed past the other (a 3x3 convolution's weight gradient, 2 threads, AMD EPYC znver4:
-# 1.15x at 64 output channels, 1.05x at 128, 0.93x at 256, 0.78x at 512)
+# 1.15x at 64 output channels, 1.05x at 128, 0.93x at 256, 0.78x at 512), and from 64
+# floats where both operands have at most 64 rows (AMD EPYC znver5: ResNet-18's 64-channel
+# Winograd weight gradients over 112 floats gain, its 128-channel ones over 98 lose)
 MIN_DOT_VECTORS, MAX_DOT_ROWS = 8, 128
+SHORT_DOT_K, SHORT_DOT_ROWS = 64, 64
 #: Products (per thread) of at least this many multiply-adds, A read along its rows, are
 #: timed both ways before the micro-kernel reads their B in place: at this size BLAS's
 #: packing no longer dominates, and the two trade places by shape and CPU
@@ -179,11 +182,15 @@ def transposed_a_in_place(vector: tuple[int, int], l2: int) -> bool:
 def _dot(g: Gemm, vector: tuple[int, int], l2: int) -> Gemm | None:
     """``g`` (``A @ B^T``) as dot products along ``k`` (:func:`~latte.compiler.microkernel.emit_dot`)
     where both operands run along ``k``, ``k`` spans :data:`MIN_DOT_VECTORS` vectors (the sums
-    across lanes at the end cost about one step of ``k``) and the operand with fewer rows,
-    streamed past the other's, has at most :data:`MAX_DOT_ROWS` of them and fits half the
-    ``l2``. ``LATTE_DOT=0``: BLAS."""
+    across lanes at the end cost about one step of ``k``; :data:`SHORT_DOT_K` floats, if
+    fewer, where both operands have at most :data:`SHORT_DOT_ROWS` rows) and the operand
+    with fewer rows, streamed past the other's, has at most :data:`MAX_DOT_ROWS` of them and
+    fits half the ``l2``. ``LATTE_DOT=0``: BLAS."""
     lanes = vector[0] // 32
-    if (g.trans_a or g.k < MIN_DOT_VECTORS * lanes or min(g.m, g.n) > MAX_DOT_ROWS
+    least = MIN_DOT_VECTORS * lanes
+    if max(g.m, g.n) <= SHORT_DOT_ROWS:
+        least = min(least, SHORT_DOT_K)
+    if (g.trans_a or g.k < least or min(g.m, g.n) > MAX_DOT_ROWS
             or 4 * min(g.m, g.n) * g.k > l2 // 2 or os.environ.get("LATTE_DOT") == "0"):
         return None
     return replace(g, panel=(*dot_tile(g.m, g.n, lanes, vector[1]), lanes), packed=False)
