@@ -105,6 +105,24 @@ def test_where_four_by_four_tiles_pay(shape, planes):
         explain_program(net.program)
 
 
+@pytest.mark.parametrize("batch,planes,width", [
+    (4, 36, 16),    # 4 items of 16 4x4 tiles: the batch pays for F(4x4, 3x3)'s weights
+    (1, 16, 49),    # one image: F(2x2, 3x3), 49 2x2 tiles a product
+    (2, 16, 49),    # 32 4x4 tiles in the batch: too few
+])
+def test_a_batch_of_small_images_takes_four_by_four_tiles(batch, planes, width):
+    """A 14x14 layer of 96 channels in one row tile has too few 4x4 tiles an image for
+    F(4x4, 3x3) (16, not ``WIDE_TILES``), but a batch of 4 has ``ITEM_TILES``: its 36
+    transformed weight planes are paid once per run over them (forward, the input
+    gradient's gather and the test forward alike); equals level 0."""
+    build = _conv(96, 1)
+    net, got = _run(2, build, (96, 14, 14), batch, 1)
+    assert _planes(net) == {planes}
+    assert _widths(net, "forward") == _widths(net, "backward") == {width}
+    _, want = _run(0, build, (96, 14, 14), batch, 1)
+    _close(got, want)
+
+
 @pytest.mark.parametrize("size", [1, 16, 17, 4096, 64 * 64, 512 * 512, 10 ** 6 + 3])
 def test_transform_planes_lie_an_odd_number_of_lines_apart(size):
     """The 16 planes of U, V and M: aligned, at least ``size`` floats, an odd number of

@@ -33,7 +33,9 @@ consecutive tiles and the transforms vectorize over tiles with plain vector load
 F(4x4, 3x3) takes a convolution whose row tile holds ``WIDE_TILES`` 4x4 tiles and whose
 products do ``WIDE_WORK`` multiply-adds (36 narrower products: where they are too small, as
 64 channels over 28 tiles, the calls and transforms cost more than the multiplications
-saved); the others F(2x2, 3x3).
+saved), or whose batch holds ``ITEM_TILES`` 4x4 tiles of such products (a 14x14 or 7x7
+layer in training: the weight transform, larger than F(2x2, 3x3)'s, is paid once per run
+over the whole batch; one image of 14x14 keeps F(2x2, 3x3)); the others F(2x2, 3x3).
 
 An item with too few tiles for a product of its own (a deep layer's 8x8 or 7x7 image, in
 one row tile) shares its products with the next items of the batch: the batch loop runs
@@ -191,18 +193,26 @@ def match(nest: Loop, wide: str = "where it pays") -> Conv | None:
     the fewest that divide the batch and give ``ITEM_TILES`` tiles. F(4x4, 3x3) (``wide``
     "where it pays") where an item's row tile has ``WIDE_TILES`` 4x4 tiles and a product
     ``WIDE_WORK`` multiply-adds: 36 products over a quarter of the tiles, 1.78x fewer
-    multiplications than F(2x2, 3x3); "always": wherever F(2x2, 3x3) would be, its items
-    shared alike (``LATTE_WINOGRAD=4``: the tests' and the random tester's); "never"."""
+    multiplications than F(2x2, 3x3); and, with F(2x2, 3x3)'s items, where each item is one
+    row tile and the batch holds ``ITEM_TILES`` 4x4 tiles (a deep layer's small images in
+    training: its weights, transformed into 36 planes instead of 16, once per run over all
+    of them);
+    "always": wherever F(2x2, 3x3) would be, its items shared alike (``LATTE_WINOGRAD=4``:
+    the tests' and the random tester's); "never"."""
     conv = _match(nest)
     if conv is None or conv.c.extent < MIN_CHANNELS:
         return None
     four = replace(conv, scheme=F4)
     tiles = math.prod(four.tiles)
-    if wide == "where it pays" and tiles >= WIDE_TILES and \
-            conv.o.extent * conv.c.extent * tiles >= WIDE_WORK:
+    worth = conv.o.extent * conv.c.extent * tiles >= WIDE_WORK
+    if wide == "where it pays" and tiles >= WIDE_TILES and worth:
         return four
     conv = conv if math.prod(conv.tiles) >= MIN_TILES else _shared(conv, MIN_TILES)
-    return replace(conv, scheme=F4) if conv is not None and wide == "always" else conv
+    if conv is None or wide == "never":
+        return conv
+    whole = conv.tile is None or conv.tile.extent == 1   # an item in one row tile
+    batched = worth and whole and conv.nest.extent * tiles >= ITEM_TILES
+    return replace(conv, scheme=F4) if wide == "always" or batched else conv
 
 
 def match_weight_grad(nest: Loop) -> Conv | None:
