@@ -257,7 +257,7 @@ def _private_batched(net) -> set[str]:
     thread."""
     return {r.buffer.name for p in net.program.plans for k in p.kernels.values()
             for r in walk(k.body) if isinstance(r, Ref) and r.buffer.key[-1] == "private"
-            and r.buffer.key[0].batched}
+            and getattr(r.buffer.key[0], "batched", False)}
 
 
 @pytest.mark.parametrize("shape,batch", [((16, 8, 8), 16), ((8, 7, 7), 12)],

@@ -196,9 +196,8 @@ def match(nest: Loop, wide: str = "where it pays") -> Conv | None:
     multiplications than F(2x2, 3x3); and, with F(2x2, 3x3)'s items, where each item is one
     row tile and the batch holds ``ITEM_TILES`` 4x4 tiles (a deep layer's small images in
     training: its weights, transformed into 36 planes instead of 16, once per run over all
-    of them);
-    "always": wherever F(2x2, 3x3) would be, its items shared alike (``LATTE_WINOGRAD=4``:
-    the tests' and the random tester's); "never"."""
+    of them); "always": wherever F(2x2, 3x3) would be, its items shared alike
+    (``LATTE_WINOGRAD=4``: the tests' and the random tester's); "never"."""
     conv = _match(nest)
     if conv is None or conv.c.extent < MIN_CHANNELS:
         return None
