@@ -208,7 +208,8 @@ def test_bad_arguments_return_nonzero(tmp_path, program):
     assert _run_clean(_compile(program, model), "bad") == 0
 
 
-def test_library_needs_no_python(tmp_path):
+def test_library_needs_no_python(tmp_path, monkeypatch):
+    monkeypatch.setenv("LATTE_DOT", "0")   # products along k in BLAS: sgemm
     net = Net(8, num_threads=2)   # sgemm and parallel loops: OpenBLAS and libgomp
     data = MemoryDataLayer(net, "data", (3, 12, 12))
     FullyConnectedLayer("ip", net, ConvolutionLayer("conv", net, data, 8, 3), 10)
