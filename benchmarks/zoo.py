@@ -321,40 +321,43 @@ def main() -> None:
 def _layers(args, net: str, mode: str, threads: int) -> None:
     """``--layers``: latte's profile and onnxruntime's (inference), then each stage's
     forward and backward milliseconds in latte and in each PyTorch framework asked for."""
-    found, fused = {}, {}
+    rows = {}   # framework -> its rows (latte's ensembles and groups, PyTorch's steps)
     for fw in args.frameworks:
         result = run(args, fw, net, mode, threads, tempfile.gettempdir())
         if result is None:
             continue
-        if fw == "latte":   # a fused group's members count in its first one's stage
-            fused = {m: g.split("+")[0] for g in result["rows"] for m in g.split("+")}
-        found[fw] = stages(result["rows"], fused) if "rows" in result else None
+        if "rows" in result:
+            rows[fw] = result["rows"]
         print(f"{fw} {net}, {mode} (batch {MODES[mode]}), {threads} thread(s), "
               f"{args.size}x{args.size}: {result['ms']:.1f} ms a run"
               + ("" if fw.startswith("torch") else " (profiled)"))
         if "layers" in result:
             print(result["layers"])
-    peers = [fw for fw in found if fw.startswith("torch")]
-    if "latte" not in found or not peers:
+    peers = [fw for fw in rows if fw.startswith("torch")]
+    if "latte" not in rows or not peers:
         return
+    # a fused group's members count in its first one's stage
+    fused = {m: g.split("+")[0] for g in rows["latte"] for m in g.split("+")}
+    found = {fw: stages(r, fused) for fw, r in rows.items()}
     print(f"per stage, ms per run (PyTorch in its profiler, whose overhead it includes; "
           f"other/latte: forward and backward together); {machine()}")
-    rows = []
+    lines = []
     for stage in dict.fromkeys([*found["latte"], *(s for fw in peers for s in found[fw])]):
         mine = found["latte"].get(stage)
-        row = [stage, *_cells(mine)]
+        line = [stage, *_cells(mine)]
         for fw in peers:
             theirs = found[fw].get(stage)
-            ratio = (f"{sum(theirs) / sum(mine):.2f}" if mine and theirs and sum(mine) else "-")
-            row += [*_cells(theirs), ratio]
-        rows.append(row)
+            ratio = f"{sum(theirs) / sum(mine):.2f}" if mine and theirs and sum(mine) else "-"
+            line += [*_cells(theirs), ratio]
+        lines.append(line)
     heads = ["stage", "latte fwd", "latte bwd"]
     for fw in peers:
         heads += [f"{fw} fwd", f"{fw} bwd", f"{fw}/latte"]
-    print(table(rows, heads))
+    print(table(lines, heads))
 
 
-def stages(rows: dict[str, dict[str, float]], fused: dict[str, str]) -> dict[str, tuple[float, float]]:
+def stages(rows: dict[str, dict[str, float]],
+           fused: dict[str, str]) -> dict[str, tuple[float, float]]:
     """``(forward, backward)`` milliseconds per stage: rows (an ensemble, a fused group
     ``a+b``, a twin's step) summed by their first ensemble's name (through ``fused``: the
     group's first member) up to its first ``_`` (ResNet's ``layer3``, VGG's ``conv4``); a
