@@ -12,6 +12,7 @@ from helpers import WeightedSumLoss
 
 from latte import Ensemble, Net, Neuron, Param, Phase, add_connections
 from latte.compiler.ir import Gemm, Loop, LoopKind, Ref, walk
+from latte.compiler.passes import winograd
 from latte.compiler.passes.tiling import is_batch_loop
 from latte.compiler.passes.winograd import ITEM_TILES, MIN_TILES, _plane, match
 from latte.stdlib import ConvolutionLayer, MaxPoolingLayer, MemoryDataLayer, ReLULayer
@@ -276,6 +277,65 @@ def test_blocks_of_items_run_in_parallel_on_their_own_outputs(shape, batch, sche
     assert not _private_batched(net)
     _, want = _run(0, _conv(8, 1), shape, batch, 2)
     _close(got, want)
+
+
+def _spread_products(net, phase: str) -> dict[str, set[int]]:
+    """Per transform (``winograd``: forward or gather, ``wgrad``), the sizes (``n`` or
+    ``k``: the tiles) of ``phase``'s Winograd products that run in a parallel loop of their
+    own over the planes, on buffers shared by the threads."""
+    out: dict = {}
+    for plan in net.program.plans:
+        for s in plan.kernels[phase].body.stmts:
+            gemms = [g for g in walk(s) if isinstance(g, Gemm)]
+            if (isinstance(s, Loop) and s.kind is LoopKind.PARALLEL and not is_batch_loop(s)
+                    and gemms and all(b.key[0] == "derived" for g in gemms
+                                      for b in (g.a_buf, g.b_buf, g.c_buf))):
+                for g in gemms:
+                    kind = "wgrad" if ".wgrad" in g.c_buf.name else "winograd"
+                    out.setdefault(kind, set()).add(g.k if kind == "wgrad" else g.n)
+    return out
+
+
+@pytest.mark.parametrize("channels,shape,batch,every,forward,backward", [
+    # F(4x4, 3x3) over blocks of 4 items, 5.3 MB of transformed weights: past half the
+    # 8 MiB cache; the weight gradient's sums fewer than the batch's tiles stay per block
+    (192, (192, 7, 7), 16, False, {"winograd": {16 * 4}}, {"winograd": {16 * 4}}),
+    # small, spread by the random tester's switch: F(2x2, 3x3), the weight gradient too
+    (16, (16, 8, 8), 16, True, {"winograd": {16 * 16}}, {"winograd": {16 * 16}, "wgrad": {16 * 16}}),
+], ids=["large-weights", "every"])
+def test_products_over_the_whole_batch(monkeypatch, channels, shape, batch, every, forward,
+                                       backward):
+    """A deep layer's small images whose transformed weights outweigh the batch's
+    transformed tiles and half the last-level cache: each product takes the whole batch's
+    tiles once, the threads sharing the planes, instead of every block of items reading the
+    weights again (forward, the input gradient's gather; a weight gradient: its sums made
+    once over the batch instead of in each thread's own copy, zeroed and summed); equals
+    level 0."""
+    from latte.compiler import pipeline
+    from latte.compiler.explain import explain_program
+
+    sizes = {**pipeline.cache_sizes(), 3: 8 << 20}
+    monkeypatch.setattr(pipeline, "cache_sizes", lambda: sizes)
+    monkeypatch.setattr(winograd, "SPREAD_EVERY", every)
+    monkeypatch.setenv("LATTE_STORED_PROGRAMS", "0")   # the key holds the host's caches
+    build = _conv(channels, 1)
+    net, got = _run(3, build, shape, batch, 2)
+    assert _spread_products(net, "forward") == forward
+    assert _spread_products(net, "backward") == backward
+    private = {r.buffer.name for p in net.program.plans for k in p.kernels.values()
+               for r in walk(k.body) if isinstance(r, Ref) and r.buffer.key[-1] == "private"}
+    assert private <= {"conv.grad_bias.private"}   # the bias's sums alone, per thread
+    assert "products over the whole batch's tiles" in explain_program(net.program)
+    _, want = _run(0, build, shape, batch, 2)
+    _close(got, want)
+
+
+def test_small_weights_keep_products_per_block():
+    """Where the transformed weights are small next to the batch's tiles (16 channels at
+    8x8, batch 16), each block of items keeps its own products, in its thread."""
+    net, _ = _run(3, _conv(16, 1), (16, 8, 8), 16, 2)
+    assert _widths(net, "forward") == {4 * 16}
+    assert not _spread_products(net, "forward") and not _spread_products(net, "backward")
 
 
 def _conv_relu_conv(net, x):

@@ -229,6 +229,10 @@ def explain_program(program) -> str:
                 out.append("    Winograd F(3x3, 2x2) weight gradient: 16 GEMMs over transformed "
                            "output-gradient and source tiles, summed over the batch, transformed "
                            "back once")
+            if any(g.c_buf.key[0] == "derived" and (".winograd" in g.c_buf.name
+                                                   or ".wgrad" in g.c_buf.name) for g in gemms):
+                out.append("    Winograd products over the whole batch's tiles, the threads "
+                           "sharing the planes (the transformed weights outweigh the tiles)")
             for g in gemms:
                 out.extend("    " + line.strip() for line in fmt_stmt(g))
                 out.extend(_trial(g))

@@ -383,7 +383,7 @@ STEPS = (
     # row-plane tiles sized to the cache budget (or to the fused group's)
     Step("tile_loops", 2, lambda c, k: tile_loops(k, c.budget, _forced(c, k))),
     # 3x3 stride-1 windows through Winograd's transforms: 16 GEMMs over transformed tiles
-    Step("winograd", 2, lambda c, k: winograd(k, c.bufs)),
+    Step("winograd", 2, lambda c, k: winograd(k, c.bufs, cache_sizes()[3])),
     # sliding windows gathered into tile buffers, then GEMMs over them
     Step("copy_windows", 1, lambda c, k: copy_windows(k, c.bufs)),
     Step("match_gemm", 1, lambda c, k: match_gemm(k)),

@@ -11,7 +11,9 @@ cases compile the optimized net with each kernel a segment of its own (the piece
 ``schedule.cut`` makes of costly segments), and half with every tiled product that stores
 its C whole streaming its stores (:data:`latte.compiler.passes.stream.EVERY`: these nets are
 too small to stream otherwise), and the other half with Winograd's 4x4 output tiles wherever
-it takes 2x2 ones (``LATTE_WINOGRAD=4``: few of them have products large enough otherwise).
+it takes 2x2 ones (``LATTE_WINOGRAD=4``: few of them have products large enough otherwise);
+across both halves, half take the products of Winograd's blocks of items once over the
+whole batch (:data:`latte.compiler.passes.winograd.SPREAD_EVERY`).
 Mismatches are returned as :class:`Mismatch` records naming their case's seed.
 
 Each entry may differ by a tolerance relative to its array's scale, plus the larger of two
@@ -40,7 +42,7 @@ from latte.compiler import schedule, stored
 from latte.compiler.description import describe
 from latte.compiler.fingerprint import fingerprint
 from latte.compiler.graph_checks import check_graph
-from latte.compiler.passes import stream
+from latte.compiler.passes import stream, winograd
 from latte.fuzz.nets import Case, Config, build_case, case_of, config, normal
 from latte.lang import DataEnsemble, NormalizationEnsemble
 from latte.stdlib import DropoutEnsemble
@@ -185,8 +187,9 @@ def _check(seeds: list[int], level: int | None, reference: bool, loss: Callable 
     start = time.process_time()
     pieces = 1 if seeds[0] % 3 == 0 else schedule.PIECE_COST   # each kernel a segment
     four = {"LATTE_WINOGRAD": "4"} if seeds[0] % 2 == 0 else {}   # F(4x4, 3x3)'s tiles
+    spread = seeds[0] % 4 in (0, 1)   # Winograd's blocks of items: products over the batch
     with _set(schedule, "PIECE_COST", pieces), _set(stream, "EVERY", seeds[0] % 2 == 1), \
-            mock.patch.dict(os.environ, four):
+            _set(winograd, "SPREAD_EVERY", spread), mock.patch.dict(os.environ, four):
         opt, _ = build(seeds, cfg, level, loss, derived)
     timings["compileL"] = timings.get("compileL", 0.0) + time.process_time() - start
     _check_stored(seeds, base, opt)

@@ -5,8 +5,9 @@
   The tile loop joins the batch loop only when tiles write disjoint regions; where a
   scatter's windows overlap between neighbouring tiles (a convolution's input gradient),
   tiles of one item stay on one thread.
-- Buffers the nest accumulates into outside the items an iteration owns (its item, or
-  Winograd's block of items): weight and bias gradients, become thread-private copies,
+- Buffers the nest accumulates into outside the items an iteration owns (its item,
+  Winograd's block of items, or elements no other item touches: Winograd's transformed
+  tiles of the whole batch): weight and bias gradients, become thread-private copies,
   zeroed before the loop and reduced after it in thread order, so results do not depend
   on timing.
 - Where ``batch x tiles`` has fewer items than threads (one image), the threads share each
@@ -129,6 +130,29 @@ def _own_items(a: Access, nest: Loop, extents: dict[str, int]) -> bool:
         sum(abs(k) * (extents[v] - 1) for v, k in inner) < step
 
 
+def _items_apart(buf, found: list[Access], batch: str, extents: dict[str, int]) -> bool:
+    """Every access of ``buf`` in the batch nest is a ref of one view, and they share an
+    index component that takes a different value for every (item, inner loop values): its
+    coefficients are mixed radices, each larger than what the smaller ones reach (Winograd's
+    transformed tiles of the whole batch, each item's columns beside the others'). The
+    items then touch disjoint elements."""
+    mine = [a for a in found if a.buffer is buf]
+    if any(a.index is None for a in mine) or len({a.view for a in mine}) != 1:
+        return False
+    return any(len(set(forms)) == 1 and isinstance(forms[0], Affine)
+               and _injective(forms[0], batch, extents) for forms in zip(*(a.index for a in mine)))
+
+
+def _injective(form: Affine, var: str, extents: dict[str, int]) -> bool:
+    """``form`` over the loops of ``extents`` takes distinct values, and moves with ``var``."""
+    reach = 0
+    for v, k in sorted(form.terms, key=lambda term: abs(term[1])):
+        if v not in extents or abs(k) <= reach:
+            return False
+        reach += abs(k) * (extents[v] - 1)
+    return bool(form.coef(var))
+
+
 def _is_scratch(buf) -> bool:
     return buf.key[0] == "scratch"
 
@@ -137,8 +161,10 @@ def _batch_nest(nest: Loop, bufs, l2: int) -> list:
     extents = {n.var: n.extent for n in walk(nest) if isinstance(n, Loop)}
     # in order of first store: a set of buffers (hashed by address) would order the copies,
     # and with them the generated code, differently in every process
+    found = accesses(nest)
     private = list(dict.fromkeys(a.buffer for a in _stores(nest)
-                                 if not _own_items(a, nest, extents)))
+                                 if not _own_items(a, nest, extents)
+                                 and not _items_apart(a.buffer, found, nest.var, extents)))
     collapse = 1
     tile = tile_loop(nest)
     # a skewed tile loop's tiles depend on earlier ones

@@ -42,7 +42,12 @@ one row tile) shares its products with the next items of the batch: the batch lo
 over blocks of ``items`` items, each item's tiles transformed into its own columns of ``V``,
 then the 16 products over all of them, then each item's outputs (``M[e]`` is output
 channels x the block's tiles). The products are as wide as a larger image's, and the
-transformed weights, read once per product, are read once per block.
+transformed weights, read once per product, are read once per block. Where they outweigh
+the batch's transformed tiles and half the last-level cache (a 7x7, 512-channel layer in
+training: 38 MB in 36 planes), each block would stream them from memory again: the products
+are then spread instead (:func:`_spread`): a batch loop transforms every item's tiles into
+``V`` of the whole batch, each plane's product takes all of them (the threads share the
+planes), and a batch loop transforms ``M`` back into each item's outputs.
 
 A convolution's weight gradient, ``w(o, c, ky, kx) += src[.., c, y + ky + a, x + kx + b] *
 g[.., o, y, x]``, is F(3x3, 2x2) the same way (:func:`match_weight_grad`): per item (and row
@@ -50,7 +55,10 @@ tile) the source tiles transformed as above, each 2x2 tile of the output gradien
 and ``M[e] += D[e] @ V[e]^T`` (output x input channels over the tiles, in each thread's own
 ``M``); after the batch loop the threads' ``M`` are summed in thread order and transformed
 back by ``A3`` into the 3x3 weights: 16 products over 4 pixels' worth of tiles instead of 9
-over the pixels, and ``M`` is transformed once per pass, not per item.
+over the pixels, and ``M`` is transformed once per pass, not per item. Where the threads'
+copies of ``M`` outweigh the batch's ``D`` and ``V`` and half the last-level cache, it is
+spread too: one ``M[e] = D[e] @ V[e]^T`` per plane over the whole batch replaces the copies,
+their zeroing, their updates block by block and their sum.
 
 It is used where it pays (:func:`match`: enough channels and tiles), at opt level 2 and up;
 ``LATTE_WINOGRAD=0`` turns it off (im2col + GEMM, as for every other window),
@@ -136,6 +144,9 @@ ITEM_TILES = 64     # tiles a product of several items' tiles takes
 WIDE_TILES = 24     # F(4x4, 3x3): 4x4 tiles an item's row tile needs and multiply-adds
 WIDE_WORK = 2**17   # per product (measured here: VGG-16 and ResNet-18's 128 channels over
                     # 28 tiles win, 64 channels over 28 tiles and 512 over 16 lose)
+#: Spread the products of every block of items over the threads (the random tester sets
+#: it: its nets are too small to pay for it otherwise)
+SPREAD_EVERY = False
 
 
 @dataclass(frozen=True)
@@ -165,9 +176,10 @@ class Conv:
         return -(-self.y.extent // r), -(-self.x.extent // r)
 
 
-def winograd(kernel: Kernel, bufs) -> Kernel:
+def winograd(kernel: Kernel, bufs, llc: int) -> Kernel:
     """Every matching nest of ``kernel`` computed by Winograd (in backward: an input gradient
-    computed as a gather, :mod:`~latte.compiler.passes.gather_grads`)."""
+    computed as a gather, :mod:`~latte.compiler.passes.gather_grads`); ``llc``: the bytes of
+    the last-level cache a core sees."""
     setting = os.environ.get("LATTE_WINOGRAD")
     if setting == "0":
         return kernel
@@ -177,9 +189,9 @@ def winograd(kernel: Kernel, bufs) -> Kernel:
             if is_batch_loop(s) else None
         grads = match_weight_grad(s) if is_batch_loop(s) and conv is None else None
         if conv is not None:
-            stmts += _rewrite(conv, bufs, (kernel.name, k))
+            stmts += _rewrite(conv, bufs, (kernel.name, k), llc)
         elif grads is not None:
-            stmts += _rewrite_weight_grad(grads, bufs, (kernel.name, k))
+            stmts += _rewrite_weight_grad(grads, bufs, (kernel.name, k), llc)
         else:
             stmts.append(s)
     return replace(kernel, body=Block(tuple(stmts)))
@@ -335,19 +347,26 @@ def _index_vars(ref: Ref) -> set[str]:
     return {v for e in ref.index for v in variables(e)}
 
 
-def _rewrite(conv: Conv, bufs, key: tuple) -> list:
-    """The weight transform, then the batch nest computing ``conv`` through the transforms."""
+def _rewrite(conv: Conv, bufs, key: tuple, llc: int) -> list:
+    """The weight transform, then the batch nest computing ``conv`` through the transforms
+    (spread, :func:`_spread`: a batch loop transforming every item's tiles, the products
+    over all of them, a batch loop transforming them back)."""
     o, c, f = conv.o, conv.c, conv.scheme
     th, tw = conv.tiles
-    width = conv.items * th * tw   # the products' width: the tiles of ``items`` items
+    spread = _spread(conv, f.planes * o.extent * c.extent,
+                     f.planes * (o.extent + c.extent) * conv.nest.extent * th * tw, llc)
+    # the products' width: the tiles of ``items`` items (spread: of the batch)
+    width = (conv.nest.extent if spread else conv.items) * th * tw
     label = f"{key[0]}.winograd{key[1]}"
     per = tuple(_plane(n) for n in (o.extent * c.extent, c.extent * width, o.extent * width))
     u = bufs.derived((*key, "U"), f"{label}.U", (f.planes, per[0]), transient=True)
-    v = bufs.scratch((*key, "V"), f"{label}.V", (f.planes, per[1]), transient=True)
-    m = bufs.scratch((*key, "M"), f"{label}.M", (f.planes, per[2]), transient=True)
+    v, m = (_tiles_buffer(bufs, key, label, name, (f.planes, size), spread)
+            for name, size in (("V", per[1]), ("M", per[2])))
+    slot = () if spread else (Affine.of(TID),)
     names = _names(conv)
     ty, tx, e, wi = names("_wy"), names("_wx"), names("_we"), names("_wi")
-    tile_at = Affine.build({ty: tw, tx: 1, **({wi: th * tw} if conv.items > 1 else {})})
+    item = conv.nest.var if spread else wi
+    tile_at = Affine.build({ty: tw, tx: 1, **({item: th * tw} if conv.items > 1 else {})})
 
     # U[e, o, c] = (G w G^T)[e]
     w = [[Var(names(f"_ww{a}{b}")) for b in range(3)] for a in range(3)]
@@ -359,18 +378,18 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
     body += rows + [Assign(Ref(u, (Affine((), f.size * i + j), at), u.shape), u_tile[i][j])
                     for i in range(f.size) for j in range(f.size)]
     weights = _loops([o, c], body)
-    copy, inputs = _source_tiles(conv, bufs, key, label, names, v, width, tile_at, ty, tx)
+    copy, inputs = _source_tiles(conv, bufs, key, label, names, v, slot, width, tile_at, ty, tx)
 
     # M[e] = U[e] @ V[e]
     gemm = Gemm(o.extent, width, c.extent,
                 u, Affine.of(e, per[0]), c.extent, False,
-                v, Affine.build({TID: f.planes * per[1], e: per[1]}), width, False,
-                m, Affine.build({TID: f.planes * per[2], e: per[2]}), width, beta=0.0)
+                v, _plane_at(e, per[1], f.planes, spread), width, False,
+                m, _plane_at(e, per[2], f.planes, spread), width, beta=0.0)
     products = Loop(e, 0, f.planes, Block((gemm,)))
 
     # out[.., o, r ty + i, r tx + j] += (A^T M A)[i, j]
     mm = [[Var(names(f"_wm{a}{b}")) for b in range(f.size)] for a in range(f.size)]
-    body = [Assign(mm[a][b], Load(Ref(m, (Affine.of(TID), Affine((), f.size * a + b),
+    body = [Assign(mm[a][b], Load(Ref(m, (*slot, Affine((), f.size * a + b),
                                           tile_at + Affine.of(o.var, width)), m.shape)))
             for a in range(f.size) for b in range(f.size)]
     rows, out_tile = _separable(names, "_wa", f.AT, f.AT, mm)
@@ -384,6 +403,8 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
             body.append(store if partial is None else If(partial, Block((store,))))
     outputs = _loops([o, _loop(ty, th), _loop(tx, tw)], body)
 
+    if spread:
+        return [weights, _per_item(conv, (copy, inputs)), products, _per_item(conv, (outputs,))]
     if conv.items == 1:
         inner = Block((copy, inputs, products, outputs))
         if conv.tile is not None:
@@ -392,51 +413,59 @@ def _rewrite(conv: Conv, bufs, key: tuple) -> list:
     return [weights, _blocks(conv, names, wi, (copy, inputs), products, (outputs,))]
 
 
-def _rewrite_weight_grad(conv: Conv, bufs, key: tuple) -> list:
+def _rewrite_weight_grad(conv: Conv, bufs, key: tuple, llc: int) -> list:
     """F(3x3, 2x2): each thread's ``M`` zeroed; the batch nest over blocks of items, each
     item's source tiles transformed as the forward's (``V[e, c, p]``) and its 2x2 output
     gradient tiles by ``G2`` (``D[e, o, p]``), then ``M[e] += D[e] @ V[e]^T`` (output x
     input channels, summed over the block's tiles); after it, the weight gradient ``+= (A3^T
-    (M of every thread, summed in thread order) A3)[ky, kx]``."""
+    (M of every thread, summed in thread order) A3)[ky, kx]``. Spread (:func:`_spread`):
+    every item's tiles transformed into ``D`` and ``V`` of the whole batch, then one ``M[e] =
+    D[e] @ V[e]^T`` per plane over all of them, shared by the threads, transformed back."""
     o, c = conv.o, conv.c
     th, tw = conv.tiles
-    width = conv.items * th * tw   # the products' depth
+    spread = _spread(conv, bufs.threads * TILES * o.extent * c.extent,
+                     TILES * (o.extent + c.extent) * conv.nest.extent * th * tw, llc)
+    width = (conv.nest.extent if spread else conv.items) * th * tw   # the products' depth
     label = f"{key[0]}.wgrad{key[1]}"
     per = tuple(_plane(n) for n in (o.extent * width, c.extent * width, o.extent * c.extent))
-    grads = bufs.scratch((*key, "D"), f"{label}.D", (TILES, per[0]), transient=True)
-    v = bufs.scratch((*key, "V"), f"{label}.V", (TILES, per[1]), transient=True)
-    m = bufs.scratch((*key, "M"), f"{label}.M", (TILES, per[2]), transient=True)
+    grads, v, m = (_tiles_buffer(bufs, key, label, name, (TILES, size), spread)
+                   for name, size in (("D", per[0]), ("V", per[1]), ("M", per[2])))
+    slot = () if spread else (Affine.of(TID),)
     names = _names(conv)
     ty, tx, e, wi, t, z = (names(n) for n in ("_wy", "_wx", "_we", "_wi", "_wt", "_wz"))
-    tile_at = Affine.build({ty: tw, tx: 1, **({wi: th * tw} if conv.items > 1 else {})})
+    item = conv.nest.var if spread else wi
+    tile_at = Affine.build({ty: tw, tx: 1, **({item: th * tw} if conv.items > 1 else {})})
 
-    zero = nest([_loop(t, bufs.threads), _loop(e, TILES), _loop(z, per[2])],
-                Assign(Ref(m, (Affine.of(t), Affine.of(e), Affine.of(z)), m.shape), Const(0.0)))
-    copy, inputs = _source_tiles(conv, bufs, key, label, names, v, width, tile_at, ty, tx)
+    copy, inputs = _source_tiles(conv, bufs, key, label, names, v, slot, width, tile_at, ty, tx)
 
     # D[e, o, p] = (G2 g G2^T)[e] for the output gradient's 2x2 tile g at p (0 past its edge)
     g = [[_tile_value(conv, ty, tx, a, b) for b in range(2)] for a in range(2)]
     at = tile_at + Affine.of(o.var, width)
-    body = [Assign(Ref(grads, (Affine.of(TID), Affine((), 4 * i + j), at), grads.shape),
+    body = [Assign(Ref(grads, (*slot, Affine((), 4 * i + j), at), grads.shape),
                    _combine(G2[i], G2[j], g)) for i in range(4) for j in range(4)]
     transformed = _loops([o, _loop(ty, th), _loop(tx, tw)], body)
 
-    # M[e] += D[e] @ V[e]^T
+    # M[e] += D[e] @ V[e]^T (spread: M[e] = over the whole batch's tiles)
     gemm = Gemm(o.extent, c.extent, width,
-                grads, Affine.build({TID: TILES * per[0], e: per[0]}), width, False,
-                v, Affine.build({TID: TILES * per[1], e: per[1]}), width, True,
-                m, Affine.build({TID: TILES * per[2], e: per[2]}), c.extent, beta=1.0)
+                grads, _plane_at(e, per[0], TILES, spread), width, False,
+                v, _plane_at(e, per[1], TILES, spread), width, True,
+                m, _plane_at(e, per[2], TILES, spread), c.extent, beta=0.0 if spread else 1.0)
     products = Loop(e, 0, TILES, Block((gemm,)))
 
     # w[o, c, ky, kx] += (A3^T M A3)[ky, kx], M summed over the threads
     mm = [[Var(names(f"_wm{a}{b}")) for b in range(4)] for a in range(4)]
     at = Affine.build({o.var: c.extent, c.var: 1})
-    body = [Assign(mm[a][b], _sum([Load(Ref(m, (Affine((), k), Affine((), 4 * a + b), at), m.shape))
-                                   for k in range(bufs.threads)]))
+    copies = [(Affine((), k),) for k in range(bufs.threads)] if not spread else [()]
+    body = [Assign(mm[a][b], _sum([Load(Ref(m, (*k, Affine((), 4 * a + b), at), m.shape))
+                                   for k in copies]))
             for a in range(4) for b in range(4)]
     body += [AugAssign(substitute(conv.target, {conv.ky: Affine((), i), conv.kx: Affine((), j)}),
                        "+", _combine(AT3[i], AT3[j], mm)) for i in range(3) for j in range(3)]
     back = _loops([o, c], body)
+    if spread:
+        return [_per_item(conv, (copy, inputs, transformed)), products, back]
+    zero = nest([_loop(t, bufs.threads), _loop(e, TILES), _loop(z, per[2])],
+                Assign(Ref(m, (Affine.of(t), Affine.of(e), Affine.of(z)), m.shape), Const(0.0)))
     if conv.items > 1:
         return [zero, _blocks(conv, names, wi, (copy, inputs, transformed), products, ()), back]
     inner = Block((copy, inputs, transformed, products))
@@ -452,8 +481,8 @@ def _names(conv: Conv) -> NameGen:
     return names
 
 
-def _source_tiles(conv: Conv, bufs, key: tuple, label: str, names: NameGen, v, width: int,
-                  tile_at: Affine, ty: str, tx: str) -> tuple:
+def _source_tiles(conv: Conv, bufs, key: tuple, label: str, names: NameGen, v, slot: tuple,
+                  width: int, tile_at: Affine, ty: str, tx: str) -> tuple:
     """The source rows the tile reads, padded, each row's columns by their phase:
     ``P[c, r, j, t]`` holds column ``out * t + j`` (guards only here, split off the
     interior), so that the transform reads each of a patch's columns at consecutive ``t``
@@ -474,9 +503,38 @@ def _source_tiles(conv: Conv, bufs, key: tuple, label: str, names: NameGen, v, w
           for b in range(f.size)] for a in range(f.size)]
     at = tile_at + Affine.of(c.var, width)
     body, v_tile = _separable(names, "_wb", f.BT, f.BT, d)
-    body += [Assign(Ref(v, (Affine.of(TID), Affine((), f.size * i + j), at), v.shape), v_tile[i][j])
+    body += [Assign(Ref(v, (*slot, Affine((), f.size * i + j), at), v.shape), v_tile[i][j])
              for i in range(f.size) for j in range(f.size)]
     return copy, _loops([c, _loop(ty, th), _loop(tx, tw)], body)
+
+
+def _spread(conv: Conv, kept: int, tiles: int, llc: int) -> bool:
+    """Whether ``conv``'s blocks of items take their products once over the whole batch,
+    the threads sharing the planes, rather than block by block, each thread its blocks.
+    Block by block, every block goes over ``kept`` floats again (the transformed weights; in
+    a weight gradient, each thread's sums): from memory where they take more than half the
+    last-level cache (``llc`` bytes: the rest holds the layer's other operands). Over the
+    whole batch, ``tiles`` floats (the batch's transformed tiles) are written and read
+    back once: that pays where they are fewer."""
+    return conv.items > 1 and (SPREAD_EVERY or (4 * kept > llc // 2 and tiles < kept))
+
+
+def _tiles_buffer(bufs, key: tuple, label: str, name: str, shape: tuple, spread: bool):
+    """A buffer of transformed tiles or products: shared by the threads where the products
+    are spread over them, else one per thread."""
+    make = bufs.derived if spread else bufs.scratch
+    return make((*key, name), f"{label}.{name}", shape, transient=True)
+
+
+def _plane_at(e: str, per: int, planes: int, spread: bool) -> Affine:
+    """The offset of plane ``e`` of a :func:`_tiles_buffer` (this thread's, if per thread)."""
+    return Affine.of(e, per) if spread else Affine.build({TID: planes * per, e: per})
+
+
+def _per_item(conv: Conv, stmts: tuple) -> Loop:
+    """The batch loop over ``conv``'s items running ``stmts`` (an item is one row tile)."""
+    one = {conv.tile.var: Affine()} if conv.tile is not None else {}
+    return replace(conv.nest, body=substitute(Block(stmts), one))
 
 
 def _blocks(conv: Conv, names: NameGen, wi: str, before: tuple, products, after: tuple) -> Loop:
