@@ -162,9 +162,8 @@ def _batch_nest(nest: Loop, bufs, l2: int) -> list:
     # in order of first store: a set of buffers (hashed by address) would order the copies,
     # and with them the generated code, differently in every process
     found = accesses(nest)
-    private = list(dict.fromkeys(a.buffer for a in _stores(nest)
-                                 if not _own_items(a, nest, extents)
-                                 and not _items_apart(a.buffer, found, nest.var, extents)))
+    outside = dict.fromkeys(a.buffer for a in _stores(nest) if not _own_items(a, nest, extents))
+    private = [b for b in outside if not _items_apart(b, found, nest.var, extents)]
     collapse = 1
     tile = tile_loop(nest)
     # a skewed tile loop's tiles depend on earlier ones

@@ -355,18 +355,14 @@ def _rewrite(conv: Conv, bufs, key: tuple, llc: int) -> list:
     th, tw = conv.tiles
     spread = _spread(conv, f.planes * o.extent * c.extent,
                      f.planes * (o.extent + c.extent) * conv.nest.extent * th * tw, llc)
-    # the products' width: the tiles of ``items`` items (spread: of the batch)
-    width = (conv.nest.extent if spread else conv.items) * th * tw
+    names = _names(conv)
+    ty, tx, e, wi = names("_wy"), names("_wx"), names("_we"), names("_wi")
+    width, slot, tile_at = _columns(conv, spread, ty, tx, wi)   # width: the products'
     label = f"{key[0]}.winograd{key[1]}"
     per = tuple(_plane(n) for n in (o.extent * c.extent, c.extent * width, o.extent * width))
     u = bufs.derived((*key, "U"), f"{label}.U", (f.planes, per[0]), transient=True)
     v, m = (_tiles_buffer(bufs, key, label, name, (f.planes, size), spread)
             for name, size in (("V", per[1]), ("M", per[2])))
-    slot = () if spread else (Affine.of(TID),)
-    names = _names(conv)
-    ty, tx, e, wi = names("_wy"), names("_wx"), names("_we"), names("_wi")
-    item = conv.nest.var if spread else wi
-    tile_at = Affine.build({ty: tw, tx: 1, **({item: th * tw} if conv.items > 1 else {})})
 
     # U[e, o, c] = (G w G^T)[e]
     w = [[Var(names(f"_ww{a}{b}")) for b in range(3)] for a in range(3)]
@@ -425,16 +421,13 @@ def _rewrite_weight_grad(conv: Conv, bufs, key: tuple, llc: int) -> list:
     th, tw = conv.tiles
     spread = _spread(conv, bufs.threads * TILES * o.extent * c.extent,
                      TILES * (o.extent + c.extent) * conv.nest.extent * th * tw, llc)
-    width = (conv.nest.extent if spread else conv.items) * th * tw   # the products' depth
+    names = _names(conv)
+    ty, tx, e, wi, t, z = (names(n) for n in ("_wy", "_wx", "_we", "_wi", "_wt", "_wz"))
+    width, slot, tile_at = _columns(conv, spread, ty, tx, wi)   # width: the products' depth
     label = f"{key[0]}.wgrad{key[1]}"
     per = tuple(_plane(n) for n in (o.extent * width, c.extent * width, o.extent * c.extent))
     grads, v, m = (_tiles_buffer(bufs, key, label, name, (TILES, size), spread)
                    for name, size in (("D", per[0]), ("V", per[1]), ("M", per[2])))
-    slot = () if spread else (Affine.of(TID),)
-    names = _names(conv)
-    ty, tx, e, wi, t, z = (names(n) for n in ("_wy", "_wx", "_we", "_wi", "_wt", "_wz"))
-    item = conv.nest.var if spread else wi
-    tile_at = Affine.build({ty: tw, tx: 1, **({item: th * tw} if conv.items > 1 else {})})
 
     copy, inputs = _source_tiles(conv, bufs, key, label, names, v, slot, width, tile_at, ty, tx)
 
@@ -519,6 +512,18 @@ def _spread(conv: Conv, kept: int, tiles: int, llc: int) -> bool:
     return conv.items > 1 and (SPREAD_EVERY or (4 * kept > llc // 2 and tiles < kept))
 
 
+def _columns(conv: Conv, spread: bool, ty: str, tx: str, wi: str) -> tuple[int, tuple, Affine]:
+    """Where the transformed tiles go: the products' width (the tiles of ``conv.items``
+    items, or spread, of the batch), the index of this thread's buffer (none where spread:
+    one buffer) and tile ``(ty, tx)``'s column (of item ``wi`` of a block, or spread, of the
+    batch loop's item)."""
+    th, tw = conv.tiles
+    item = conv.nest.var if spread else wi
+    width = (conv.nest.extent if spread else conv.items) * th * tw
+    slot = () if spread else (Affine.of(TID),)
+    return width, slot, Affine.build({ty: tw, tx: 1, **({item: th * tw} if conv.items > 1 else {})})
+
+
 def _tiles_buffer(bufs, key: tuple, label: str, name: str, shape: tuple, spread: bool):
     """A buffer of transformed tiles or products: shared by the threads where the products
     are spread over them, else one per thread."""
@@ -531,18 +536,21 @@ def _plane_at(e: str, per: int, planes: int, spread: bool) -> Affine:
     return Affine.of(e, per) if spread else Affine.build({TID: planes * per, e: per})
 
 
+def _one_tile(conv: Conv) -> dict:
+    """The row tile loop's variable at its one tile (items shared by products are whole)."""
+    return {conv.tile.var: Affine()} if conv.tile is not None else {}
+
+
 def _per_item(conv: Conv, stmts: tuple) -> Loop:
-    """The batch loop over ``conv``'s items running ``stmts`` (an item is one row tile)."""
-    one = {conv.tile.var: Affine()} if conv.tile is not None else {}
-    return replace(conv.nest, body=substitute(Block(stmts), one))
+    """The batch loop over ``conv``'s items running ``stmts``."""
+    return replace(conv.nest, body=substitute(Block(stmts), _one_tile(conv)))
 
 
 def _blocks(conv: Conv, names: NameGen, wi: str, before: tuple, products, after: tuple) -> Loop:
     """The batch loop over blocks of ``conv.items`` items (item ``items * block + wi``): each
     item's ``before``, the block's ``products``, each item's ``after``."""
     block = names("_wb")
-    item = {conv.nest.var: Affine.build({block: conv.items, wi: 1}),
-            **({conv.tile.var: Affine()} if conv.tile is not None else {})}   # one row tile
+    item = {conv.nest.var: Affine.build({block: conv.items, wi: 1}), **_one_tile(conv)}
 
     def per_item(stmts: tuple) -> Loop:
         return Loop(wi, 0, conv.items, substitute(Block(stmts), item))
