@@ -174,11 +174,13 @@ class Net(Graph):
                 self.profile.add(ens.name, column, time.perf_counter() - start)
         self._executor.forward(valid, column)
 
-    def run_steps(self, steps: list) -> None:
-        """Run some of ``program.forward``'s steps as they are: no data loading and no
-        ``before_forward`` (``latte check`` reruns what follows a perturbed ensemble)."""
+    def run_steps(self, steps: list, phase: str = "forward") -> None:
+        """Run some of ``program.forward``'s steps (``phase`` ``"test"``: of ``program.test``)
+        as they are: no data loading and no ``before_forward`` (``latte check`` reruns what
+        follows a perturbed ensemble)."""
         self._ready()
-        self._executor._run(steps, self.valid)
+        ex = self._executor
+        ex._run(steps, self.valid, ex.test_code if phase == "test" else ex.code)
 
     def backward(self) -> None:
         """Zero every gradient, then back-propagate from the losses."""

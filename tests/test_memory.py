@@ -1,6 +1,7 @@
 """Transient buffers (a pass's temporaries, filled before they are read at every run) of
 different kernels share memory; those of one kernel do not, nor one that a kernel reads
-without filling it."""
+without filling it. The test forward's intermediate values share it too, each apart from
+those in use with it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import WeightedSumLoss
 
-from latte import Net
+from latte import Net, Phase, stdlib
 from latte.aligned import ALIGN
 from latte.compiler.codegen import kernel_buffers
 from latte.compiler.explain import explain_program
@@ -22,6 +23,7 @@ from latte.stdlib import (
     MemoryDataLayer,
     ReLULayer,
 )
+from latte.zoo import nets
 
 
 def _convs(level: int, seed: int = 0):
@@ -62,7 +64,7 @@ def test_winograd_layers_share_their_temporaries_and_equal_level_0(level):
                for a in x for b in y)
     text = explain_program(net.program)
     alone = sum(-(-a.nbytes // ALIGN) * ALIGN for a in arrays.values()) / 2**20
-    assert f"{len(arrays)} buffers, " in text and f"{alone:.1f} MiB, share" in text
+    assert f"temporaries of passes {len(arrays)} buffers, {alone:.1f} MiB;" in text
     if level == 2:   # each layer a kernel of its own: the weights' transforms share
         u = [a for name, a in arrays.items() if ".forward.winograd" in name and name.endswith(".U")]
         assert len(u) == 2 and np.shares_memory(*u)
@@ -92,3 +94,61 @@ def test_weights_packed_before_a_time_loop_keep_their_own_memory(threads):
     for name in read_only:
         assert not any(np.shares_memory(arrays[name], a) for other, a in arrays.items()
                        if other != name)
+
+
+def _bottlenecks(level: int):
+    """Two ResNet-50 bottlenecks (1x1, 3x3, 1x1 convolutions with batch norms, a residual
+    add) and an FC under a loss, after one training step's forward: a test forward's values
+    and the training forward's values of its first convolution."""
+    net = Net(2, opt_level=level, num_threads=2, seed=0)
+    x = MemoryDataLayer(net, "x", (16, 8, 8))
+    y = x
+    for i in range(2):
+        y = nets.bottleneck(stdlib, f"b{i}", net, y, 4, 1)
+    out = FullyConnectedLayer("fc", net, y, 5)
+    WeightedSumLoss(net, "loss", out)
+    net.init()
+    rng = np.random.default_rng(3)
+    net.value(x)[...] = rng.standard_normal(net.value(x).shape)
+    net.forward()
+    trained = net.value("b0_conv1").copy()
+    net.value(x)[...] = rng.standard_normal(net.value(x).shape)
+    net.forward(Phase.TEST)
+    return net, net.value(out).copy(), trained
+
+
+@pytest.mark.parametrize("level", [2, 3])
+def test_test_forward_keeps_intermediate_values_in_the_arena(level):
+    """The test forward's intermediate values share the arena, none with one in use at the
+    same kernel; their buffers keep the training forward's values; the output equals level
+    0's, and so does ``predict`` of an intermediate (which the training program computes)."""
+    net, got, trained = _bottlenecks(level)
+    base, want, _ = _bottlenecks(0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    program, memory = net.program, net._memory
+    names = {b.name for b in program.test_values}
+    assert "b0_conv1.value" in names and "b1_add.value" in names
+    assert not names & {"x.value", "fc.value"}   # the input, the loss's input
+    np.testing.assert_array_equal(net.value("b0_conv1"), trained)
+    arrays = memory.test_arrays
+    assert set(arrays) == set(program.test_values)
+    lives = program._test_lifetimes
+    for i, _ in enumerate(program.test_kernels()):
+        live = [arrays[b] for b, span in lives.items() if i in span]
+        for a, b in itertools.combinations(live, 2):
+            assert not np.shares_memory(a, b)
+    assert any(np.shares_memory(a, b) for a, b in itertools.combinations(arrays.values(), 2))
+    alone = sum(a.nbytes for a in arrays.values())
+    assert max(a.ctypes.data + a.nbytes for a in arrays.values()) - min(
+        a.ctypes.data for a in arrays.values()) < alone
+    x = np.random.default_rng(4).standard_normal((3, 16, 8, 8)).astype(np.float32)
+    np.testing.assert_allclose(net.predict(x, "b1_conv2_bn"), base.predict(x, "b1_conv2_bn"),
+                               rtol=1e-5, atol=1e-5)
+    assert "the test forward's intermediate values" in explain_program(program)
+
+
+def test_test_forward_values_can_keep_their_buffers(monkeypatch):
+    monkeypatch.setenv("LATTE_SHARE_TRANSIENTS", "0")
+    net, _, _ = _bottlenecks(3)
+    assert not net._memory.test_arrays
+    assert list(net._memory.test_table) == list(net._memory.table)

@@ -170,14 +170,19 @@ def _trial(g: Gemm) -> list[str]:
 
 
 def _arena(program) -> list[str]:
-    """How much memory the transient buffers share (:attr:`Program.transient_layout`)."""
+    """How much memory the transient buffers and the test forward's intermediate values
+    share (:attr:`Program.transient_layout`)."""
     placed = program.transient_layout
     if not placed:
         return []
-    alone = sum(end - start for start, end in placed.values())
+    parts = []
+    for what, bufs in (("temporaries of passes", [b for b in placed if b not in program.test_values]),
+                       ("the test forward's intermediate values", list(program.test_values))):
+        mib = sum(placed[b][1] - placed[b][0] for b in bufs) / 2**20
+        parts.append(f"{what} {len(bufs)} buffers, {mib:.1f} MiB")
     shared = max(end for _, end in placed.values())
-    return [f"temporaries of passes: {len(placed)} buffers, {alone / 2**20:.1f} MiB, share "
-            f"{shared / 2**20:.1f} MiB (filled before read in every kernel using them)"]
+    return [f"arena: {'; '.join(parts)}; together {shared / 2**20:.1f} MiB (each filled before "
+            "it is read, apart from those in use with it)"]
 
 
 def explain_program(program) -> str:

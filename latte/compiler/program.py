@@ -105,6 +105,21 @@ class Program:
         return {b: i for i, b in enumerate(self.buffers.buffers.values())}
 
     @functools.cached_property
+    def test_values(self) -> frozenset:
+        """The values the test forward keeps in the arena (:mod:`latte.compiler.test_values`)."""
+        return frozenset(self._test_lifetimes)
+
+    @functools.cached_property
+    def _test_lifetimes(self) -> dict:
+        from latte.compiler.test_values import test_values  # noqa: PLC0415 (imports this)
+
+        return test_values(self)
+
+    def test_kernels(self) -> list[Kernel]:
+        """The test forward's kernels in the order they run (a time loop's once)."""
+        return [k for s in flat_steps(self.test) if isinstance(s, Segment) for k in s.kernels]
+
+    @functools.cached_property
     def transient_layout(self) -> dict:
         """Where each shareable transient buffer lies in the arena, ``(start, end)`` in bytes
         (placed once: a stored program holds it, so a warm init need not walk its kernels):
@@ -112,7 +127,8 @@ class Program:
         own also uses; each takes the lowest place that does (first fit, in plan order). VGG-16's
         Winograd layers so transform their weights into one 16 MiB block, warm in cache from the
         layer before, instead of one each (1.05x its batch-1 inference on an Intel Xeon;
-        ``latte explain`` prints the arena's size)."""
+        ``latte explain`` prints the arena's size). The test forward's :attr:`test_values`
+        share it too, each in use by the test kernels from its first to its last."""
         transient = self.buffers.transient
         users: dict = {}     # buffer -> the kernels using it
         filled: dict = {}    # buffer -> does every kernel using it write it
@@ -123,6 +139,9 @@ class Program:
                     if buf in transient:
                         users.setdefault(buf, set()).add(id(kernel))
                         filled[buf] = filled.get(buf, True) and buf in written
+        order = self.test_kernels()
+        for buf, span in self._test_lifetimes.items():
+            users[buf], filled[buf] = {id(order[i]) for i in span}, True
         placed: dict = {}
         for buf in [b for b in users if filled[b]]:
             taken = sorted(span for other, span in placed.items() if users[other] & users[buf])

@@ -13,7 +13,10 @@ its C whole streaming its stores (:data:`latte.compiler.passes.stream.EVERY`: th
 too small to stream otherwise), and the other half with Winograd's 4x4 output tiles wherever
 it takes 2x2 ones (``LATTE_WINOGRAD=4``: few of them have products large enough otherwise);
 across both halves, half take the products of Winograd's blocks of items once over the
-whole batch (:data:`latte.compiler.passes.winograd.SPREAD_EVERY`).
+whole batch (:data:`latte.compiler.passes.winograd.SPREAD_EVERY`). After the last step
+both nets run a ``Phase.TEST`` forward, whose intermediate values share the arena
+(:mod:`latte.compiler.test_values`), and then the same steps on the net's own buffers: the
+outputs must be equal, bit for bit.
 Mismatches are returned as :class:`Mismatch` records naming their case's seed.
 
 Each entry may differ by a tolerance relative to its array's scale, plus the larger of two
@@ -44,7 +47,7 @@ from latte.compiler.fingerprint import fingerprint
 from latte.compiler.graph_checks import check_graph
 from latte.compiler.passes import stream, winograd
 from latte.fuzz.nets import Case, Config, build_case, case_of, config, normal
-from latte.lang import DataEnsemble, NormalizationEnsemble
+from latte.lang import DataEnsemble, NormalizationEnsemble, sources
 from latte.stdlib import DropoutEnsemble
 
 STEPS = 3                       # SGD steps after the first forward/backward
@@ -232,7 +235,29 @@ def _check(seeds: list[int], level: int | None, reference: bool, loss: Callable 
         if refs is not None:
             _reference_update(out, refs[0], base, step, lr, fragile)
         _compare_updates(out, f"step {step} update", base, opt, tol, against, spread, bounds)
+    for net in (base, opt):
+        _check_test_forward(out, net)
     return out
+
+
+def _check_test_forward(out: list, net: Net) -> None:
+    """Record where ``net``'s test forward, its intermediate values in the arena, gives
+    outputs (the values no ensemble reads, the inputs of host steps) other than the same
+    steps give on the net's own buffers."""
+    net.forward(Phase.TEST)
+    read = {id(s) for e in net.ensembles if not isinstance(e, NormalizationEnsemble)
+            for s in sources(net, e)}
+    outputs = [e for e in net.ensembles if id(e) not in read or any(
+        e in n.inputs for n in net.ensembles if isinstance(n, NormalizationEnsemble))]
+    got = {e.name: net.value(e).copy() for e in _computed(net) if e in outputs}
+    net.run_steps(net.program.test, "forward")
+    for name, value in got.items():
+        if not np.array_equal(value, net.value(name), equal_nan=True):
+            err = np.abs(value.astype(np.float64) - net.value(name))
+            idx = tuple(int(i) for i in np.unravel_index(int(np.nanargmax(err)), err.shape))
+            out.append(Mismatch(case_of(name), f"test forward value {name}",
+                                f"the test steps on its own buffers (level {net.opt_level})",
+                                float(err[idx]), 0.0, idx))
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ class NativeCode:
 
     def __init__(self, library: CodeLibrary, segments: list[Segment], table):
         self._fns = {seg.name: _SEGMENT(library.address(seg.name)) for seg in segments}
+        self.table = table
         self._table = ctypes.cast(table, ctypes.c_void_p)
         # code built with LATTE_CHECK_BOUNDS=1 has these
         self._site = library.global_address(BOUNDS_SITE)
@@ -64,6 +65,8 @@ class Executor:
         self._ready_grads = _ready_grads(program, memory) if comm is not None else {}
         self._update_grads: dict[int, list[np.ndarray]] = {}   # id(segment) -> its gradients
         self.code = NativeCode(program.library, program.segments(), memory.table)
+        # the test forward's intermediate values in the arena (program.test_values)
+        self.test_code = NativeCode(program.library, program.segments(), memory.test_table)
         self._slots = {b: i for i, b in enumerate(program.buffers.buffers.values())}
         self._loop_views: dict[int, tuple] = {}   # id(TimeSteps) -> its views' table entries
         self._host_calls: dict[tuple, Callable[[], None]] = {}   # (id(HostStep), valid) -> call
@@ -79,17 +82,19 @@ class Executor:
                                  for s in program.forward + program.backward})
             profile.count_flops(program, self._labels)
 
-    def _run(self, steps, valid: int) -> None:
+    def _run(self, steps, valid: int, code: NativeCode | None = None) -> None:
+        """Run ``steps`` with the segments of ``code`` (default: the training table's)."""
+        code = code or self.code
         for step in steps:
             if self.comm is not None:
                 self.comm.progress()
             if isinstance(step, Segment):
-                self.code.call(step.name)
+                code.call(step.name)
                 if step.name in self._ready_grads:
                     self.comm.start(self._ready_grads[step.name])
                 continue
             if isinstance(step, TimeSteps):
-                self._time_steps(step, valid)
+                self._time_steps(step, valid, code)
                 if step.name in self._ready_grads:
                     self.comm.start(self._ready_grads[step.name])
                 continue
@@ -134,9 +139,9 @@ class Executor:
                 mem[b][rows] = arrays[b]
         return copied, False
 
-    def _time_steps(self, loop: TimeSteps, valid: int) -> None:
+    def _time_steps(self, loop: TimeSteps, valid: int, code: NativeCode) -> None:
         """Run ``loop``'s steps once per time step, its step views on that step's rows."""
-        mem, table = self.memory, self.memory.table
+        mem, table = self.memory, code.table
         if id(loop) not in self._loop_views:
             self._loop_views[id(loop)] = tuple(
                 (self._slots[view], mem[base].ctypes.data, mem[view].nbytes, shift,
@@ -150,26 +155,28 @@ class Executor:
         for t in (reversed(steps) if loop.reverse else steps):
             for slot, start, row, shift, before, _ in views:
                 table[slot] = start + (t + shift) * row if t + shift >= 0 else before
-            self._run(loop.steps, valid)
+            self._run(loop.steps, valid, code)
 
-    def _run_profiled(self, steps, valid: int, phase: str) -> None:
+    def _run_profiled(self, steps, valid: int, phase: str, code: NativeCode | None = None) -> None:
         """:meth:`_run`, one step at a time under a clock (kept apart so that the unprofiled
         path pays nothing)."""
         clock, profile, labels = time.perf_counter, self.profile, self._labels
         profile.count(phase)
         for step in steps:
             start = clock()
-            self._run((step,), valid)
+            self._run((step,), valid, code)
             profile.add(labels[id(step)], phase, clock() - start)
 
     def forward(self, valid: int, phase: str = "forward") -> None:
         """Run the forward steps of ``phase``: ``"forward"`` (training) or ``"test"`` (no
-        backward follows: fused groups keep their intermediates in line buffers)."""
-        steps = self.program.test if phase == "test" else self.program.forward
+        backward follows: fused groups keep their intermediates in line buffers, the other
+        intermediate values live in the arena)."""
+        test = phase == "test"
+        steps, code = (self.program.test, self.test_code) if test else (self.program.forward, self.code)
         if self.profile is None:
-            self._run(steps, valid)
+            self._run(steps, valid, code)
         else:
-            self._run_profiled(steps, valid, phase)
+            self._run_profiled(steps, valid, phase, code)
 
     def backward(self, valid: int) -> None:
         if self.comm is not None:

@@ -25,7 +25,8 @@ def shared_transients(program: Program) -> dict:
     """Views of one arena for the transient buffers (:mod:`latte.compiler.buffers`) that
     every kernel using them fills (not a recurrent weight packed before a time loop and read
     at its steps), placed by :attr:`~latte.compiler.program.Program.transient_layout`.
-    ``LATTE_SHARE_TRANSIENTS=0``: one allocation each."""
+    ``LATTE_SHARE_TRANSIENTS=0``: one allocation each (and the test forward's values in
+    their own buffers)."""
     if os.environ.get("LATTE_SHARE_TRANSIENTS") == "0":
         return {}
     placed = program.transient_layout
@@ -39,7 +40,9 @@ class Memory:
     of another buffer (a zero-copy join's producer) is a strided view of it. A field whose
     array has the buffer's shape and alignment is kept where its ensemble holds it (the
     ensemble's own copy, made aligned): VGG-16's 553 MB of weights are not copied again.
-    Transient buffers share memory (:func:`shared_transients`)."""
+    Transient buffers share memory (:func:`shared_transients`); ``test_table`` points the
+    test forward's intermediate values there too (``program.test_values``), their own
+    arrays keeping the last training forward's."""
 
     def __init__(self, program: Program):
         bufs = program.buffers
@@ -48,7 +51,9 @@ class Memory:
                        for f in p.ensemble.fields.values()
                        if f.array.shape == bufs.field(p.ensemble, f.name).shape
                        and is_aligned(f.array)}
-        self.arrays.update(shared_transients(program))
+        shared = shared_transients(program)
+        tested = program.test_values
+        self.arrays.update({b: a for b, a in shared.items() if b not in tested})
         for buf in bufs.buffers.values():
             if buf not in bufs.windows and buf not in self.arrays:
                 self.arrays[buf] = aligned_zeros(buf.shape, np.int32 if buf.dtype == "int32" else np.float32)
@@ -64,10 +69,16 @@ class Memory:
             for acc in plan.accesses:
                 if acc.table is not None:
                     self.arrays[bufs.table(acc.conn, acc.table.shape)][...] = acc.table
-        addrs = [self.arrays[b].ctypes.data for b in bufs.buffers.values()]
-        self.table = (ctypes.c_void_p * max(1, len(addrs)))(*addrs)
+        self.table = _table([self.arrays[b] for b in bufs.buffers.values()])
+        # the test forward's: its intermediate values in the arena (views keep it alive)
+        self.test_arrays = {b: shared[b] for b in tested if b in shared}
+        self.test_table = _table([self.test_arrays.get(b, self.arrays.get(b))
+                                  for b in bufs.buffers.values()])
 
     def __getitem__(self, buf) -> np.ndarray:
         return self.arrays[buf]
 
 
+def _table(arrays: list) -> ctypes.Array:
+    """The pointer table of ``arrays`` (in plan order) that native code reads."""
+    return (ctypes.c_void_p * max(1, len(arrays)))(*[a.ctypes.data for a in arrays])

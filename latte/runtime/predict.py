@@ -6,8 +6,9 @@ asked for a batch, so a training run's order, shuffling and read-ahead stay as t
 (a data layer's ``transform`` is not applied: pass samples as the ensemble takes them).
 Only the steps the output depends on run: loss and accuracy layers (whose reductions are
 collective under MPI) are skipped unless the output depends on them. The test program
-keeps a fused group's intermediate values in line buffers; an output that is such a value
-is computed by the training program's forward steps, run in the test phase.
+keeps a fused group's intermediate values in line buffers and the others in the arena
+(:mod:`latte.compiler.test_values`); an output that is such a value is computed by the
+training program's forward steps, run in the test phase.
 
 Samples map to an ensemble's value view through :func:`to_buffer` and back through
 :func:`from_buffer`; a view with a leading time dimension, ``(T, batch, *shape)``, takes
@@ -35,6 +36,7 @@ class PredictPlan:
     output: object
     steps: tuple
     before_forward: tuple   # the output's ancestors that prepare fields (dropout's mask)
+    phase: str = "test"     # the program the steps are of ("forward": the training one)
 
 
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # net -> {output: plan}
@@ -62,7 +64,7 @@ def predict(net, x, output=None) -> np.ndarray:
         count = min(batch, n - lo)
         to_buffer(x_in, plan.input, x[lo:lo + count])
         net.valid = count   # the loss-free steps ignore it; a host step may not
-        net.run_steps(list(plan.steps))
+        net.run_steps(list(plan.steps), plan.phase)
         out[lo:lo + count] = from_buffer(x_out, plan.output, count)
     return out
 
@@ -149,14 +151,17 @@ def _make_plan(net, out) -> PredictPlan:
     program, bufs = net.program, net.program.buffers
     mine = {id(e) for e in ancestors}
     value = bufs.value_home(out)   # what kernels write (a zero-copy join's)
-    steps = [s for s in program.test if not isinstance(s, HostStep) or id(s.ensemble) in mine]
-    if not isinstance(out, DataEnsemble) and not _writes(steps, value, bufs):
-        # a fused group's intermediate in the test program: the training forward stores it
-        steps = [s for s in program.forward
-                 if not isinstance(s, HostStep) or id(s.ensemble) in mine]
+    steps, phase = [s for s in program.test
+                    if not isinstance(s, HostStep) or id(s.ensemble) in mine], "test"
+    if not isinstance(out, DataEnsemble) and (not _writes(steps, value, bufs)
+                                              or value in program.test_values):
+        # an intermediate of the test program (in a fused group's line buffers, or in the
+        # arena): the training forward stores it
+        steps, phase = [s for s in program.forward
+                        if not isinstance(s, HostStep) or id(s.ensemble) in mine], "forward"
     prepare = tuple(e for e in ancestors if isinstance(e, Ensemble)
                     and type(e).before_forward is not Ensemble.before_forward)
-    return PredictPlan(inputs[0], out, tuple(steps), prepare)
+    return PredictPlan(inputs[0], out, tuple(steps), prepare, phase)
 
 
 def _writes(steps, buffer, bufs) -> bool:
