@@ -296,25 +296,29 @@ def _spread_products(net, phase: str) -> dict[str, set[int]]:
     return out
 
 
-@pytest.mark.parametrize("channels,shape,batch,every,forward,backward", [
+@pytest.mark.parametrize("channels,shape,batch,every,llc,forward,backward", [
     # F(4x4, 3x3) over blocks of 4 items, 5.3 MB of transformed weights: past half the
     # 8 MiB cache; the weight gradient's sums fewer than the batch's tiles stay per block
-    (192, (192, 7, 7), 16, False, {"winograd": {16 * 4}}, {"winograd": {16 * 4}}),
+    (192, (192, 7, 7), 16, False, 8 << 20, {"winograd": {16 * 4}}, {"winograd": {16 * 4}}),
+    # the same under a 480 MiB cache (an Intel Xeon's, shared by its socket's cores): the
+    # blocks' 16 tiles are narrower than ITEM_TILES, so the products spread all the same
+    (192, (192, 7, 7), 16, False, 480 << 20, {"winograd": {16 * 4}}, {"winograd": {16 * 4}}),
     # small, spread by the random tester's switch: F(2x2, 3x3), the weight gradient too
-    (16, (16, 8, 8), 16, True, {"winograd": {16 * 16}}, {"winograd": {16 * 16}, "wgrad": {16 * 16}}),
-], ids=["large-weights", "every"])
-def test_products_over_the_whole_batch(monkeypatch, channels, shape, batch, every, forward,
+    (16, (16, 8, 8), 16, True, 8 << 20, {"winograd": {16 * 16}},
+     {"winograd": {16 * 16}, "wgrad": {16 * 16}}),
+], ids=["large-weights", "narrow-blocks", "every"])
+def test_products_over_the_whole_batch(monkeypatch, channels, shape, batch, every, llc, forward,
                                        backward):
     """A deep layer's small images whose transformed weights outweigh the batch's
-    transformed tiles and half the last-level cache: each product takes the whole batch's
-    tiles once, the threads sharing the planes, instead of every block of items reading the
-    weights again (forward, the input gradient's gather; a weight gradient: its sums made
-    once over the batch instead of in each thread's own copy, zeroed and summed); equals
-    level 0."""
+    transformed tiles and half the last-level cache, or whose blocks of items have fewer
+    tiles than ``ITEM_TILES``: each product takes the whole batch's tiles once, the threads
+    sharing the planes, instead of every block of items reading the weights again
+    (forward, the input gradient's gather; a weight gradient: its sums made once over the
+    batch instead of in each thread's own copy, zeroed and summed); equals level 0."""
     from latte.compiler import pipeline
     from latte.compiler.explain import explain_program
 
-    sizes = {**pipeline.cache_sizes(), 3: 8 << 20}
+    sizes = {**pipeline.cache_sizes(), 3: llc}
     monkeypatch.setattr(pipeline, "cache_sizes", lambda: sizes)
     monkeypatch.setattr(winograd, "SPREAD_EVERY", every)
     monkeypatch.setenv("LATTE_STORED_PROGRAMS", "0")   # the key holds the host's caches

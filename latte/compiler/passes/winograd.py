@@ -506,10 +506,14 @@ def _spread(conv: Conv, kept: int, tiles: int, llc: int) -> bool:
     the threads sharing the planes, rather than block by block, each thread its blocks.
     Block by block, every block goes over ``kept`` floats again (the transformed weights; in
     a weight gradient, each thread's sums): from memory where they take more than half the
-    last-level cache (``llc`` bytes: the rest holds the layer's other operands). Over the
-    whole batch, ``tiles`` floats (the batch's transformed tiles) are written and read
+    last-level cache (``llc`` bytes: the rest holds the layer's other operands), and for
+    few tiles where the threads left the blocks narrower than ``ITEM_TILES`` (a product
+    then reads each weight for too few tiles to keep up with the memory that serves them,
+    however large the cache: an Intel Xeon's 480 MiB L3 shared by a socket's cores). Over
+    the whole batch, ``tiles`` floats (the batch's transformed tiles) are written and read
     back once: that pays where they are fewer."""
-    return conv.items > 1 and (SPREAD_EVERY or (4 * kept > llc // 2 and tiles < kept))
+    narrow = conv.items * math.prod(conv.tiles) < ITEM_TILES
+    return conv.items > 1 and (SPREAD_EVERY or ((narrow or 4 * kept > llc // 2) and tiles < kept))
 
 
 def _columns(conv: Conv, spread: bool, ty: str, tx: str, wi: str) -> tuple[int, tuple, Affine]:
