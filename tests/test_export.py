@@ -338,3 +338,28 @@ def test_export_recompiles_an_object_missing_from_the_cache(tmp_path, program):
     export(net, tmp_path / "model")
     x = np.random.default_rng(4).standard_normal((5, 5)).astype(np.float32)
     np.testing.assert_array_equal(_predict_in_c(program, tmp_path / "model", x, 4), net.predict(x))
+
+
+def test_intermediate_values_and_temporaries_share_the_arena(tmp_path, program):
+    """Two ResNet-50 bottlenecks: the image places the test forward's intermediate values
+    and the passes' temporaries in one region as the runtime does, so its arena is
+    smaller than its buffers together, and it predicts as the net."""
+    from latte import stdlib
+    from latte.export.image import model_image
+    from latte.zoo import nets
+
+    net = Net(2, num_threads=2, seed=0)
+    y = MemoryDataLayer(net, "x", (16, 8, 8))
+    for i in range(2):
+        y = nets.bottleneck(stdlib, f"b{i}", net, y, 8, 1)
+    net.init()
+    image = model_image(net)
+    names = {s.name for s in image.slots}
+    assert {b.name for b in net.program.test_values} <= names and "b0_conv1.value" in names
+    assert image.arena_bytes < sum(s.nbytes for s in image.slots)
+    model = tmp_path / "model"
+    export(net, model)
+    x = np.random.default_rng(3).standard_normal((5, 16, 8, 8)).astype(np.float32)
+    expected = net.predict(x)
+    got = _predict_in_c(program, model, x, expected[0].size).reshape(expected.shape)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())

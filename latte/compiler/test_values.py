@@ -4,7 +4,7 @@ Training keeps every ensemble's values for backward; a test forward needs an int
 value only from the kernel that writes it to the last kernel that reads it. Such a value
 lives in the arena (:attr:`~latte.compiler.program.Program.transient_layout`) for that
 stretch of the test program alone, so a deep net's test forward walks a few megabytes that
-stay in cache, not every layer's output (ResNet-50's at batch 1: over 50 MB). The test
+stay in cache, not every layer's output (ResNet-50's at batch 1: 82 MiB). The test
 forward runs the same native code on a table of its own that points these values into the
 arena (:mod:`latte.runtime.memory`); their buffers keep the last training forward's values.
 

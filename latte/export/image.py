@@ -1,5 +1,7 @@
 """What an exported model is made of: the test program's native code, the buffers it
-touches laid out in one arena, their constant contents, and where the samples go.
+touches laid out in one arena (the passes' temporaries and the test forward's intermediate
+values sharing a region of it, placed as the runtime places them), their constant
+contents, and where the samples go.
 
 :func:`model_image` reads a compiled net (after ``net.load`` of a snapshot, if any) and
 prepares it for inference as ``net.predict`` does: the ensembles that prepare fields for the
@@ -101,8 +103,11 @@ def model_image(net) -> ModelImage:
     used = sorted({a.buffer for s in segments for k in s.kernels for a in accesses(k.body)}
                   | {base for loop in loops for _, base, _ in loop.views}
                   | {bufs.value(plan.input), bufs.value(plan.output)}, key=index.__getitem__)
+    shared = _shared(program, plan, used)
     slots, blob, arena = [], bytearray(), 0
     for buf in used:
+        if buf in shared:
+            continue
         data = memory[buf]
         blob_offset = None
         if _is_constant(buf, constant) and data.any():
@@ -111,6 +116,9 @@ def model_image(net) -> ModelImage:
             blob += data.tobytes()
         slots.append(Slot(index[buf], buf.name, arena, data.nbytes, blob_offset))
         arena += data.nbytes + (-data.nbytes % ALIGN)
+    for buf, (start, _) in shared.items():   # filled before they are read: no blob
+        slots.append(Slot(index[buf], buf.name, arena + start, 4 * buf.size, None))
+    arena += max((end for _, end in shared.values()), default=0)
     threads = bufs.threads
     objects = target().objects(program.library,
                                lambda parts: llvm_ir(program.segments(), index, threads, parts))
@@ -120,6 +128,16 @@ def model_image(net) -> ModelImage:
                       len(index), arena, bytes(blob), net.batch_size,
                       _samples(net, plan.input, index), _samples(net, plan.output, index),
                       threads, 1 if program.opt_level >= 2 else threads)
+
+
+def _shared(program, plan: PredictPlan, used: list) -> dict:
+    """The buffers of ``used`` that share one region of the arena as the runtime's do
+    (:attr:`~latte.compiler.program.Program.transient_layout`: the passes' temporaries,
+    and the test forward's intermediate values where the image runs the test program),
+    each at its place in that region."""
+    placed = program.transient_layout
+    tested = program.test_values if plan.phase != "test" else frozenset()
+    return {b: placed[b] for b in used if b in placed and b not in tested}
 
 
 def _loop(loop: TimeSteps, steps: int, memory, index: dict) -> StepLoop:

@@ -72,7 +72,7 @@ class Memory:
         self.table = _table([self.arrays[b] for b in bufs.buffers.values()])
         # the test forward's: its intermediate values in the arena (views keep it alive)
         self.test_arrays = {b: shared[b] for b in tested if b in shared}
-        self.test_table = _table([self.test_arrays.get(b, self.arrays.get(b))
+        self.test_table = _table([self.test_arrays.get(b, self.arrays[b])
                                   for b in bufs.buffers.values()])
 
     def __getitem__(self, buf) -> np.ndarray:
