@@ -151,14 +151,15 @@ def _make_plan(net, out) -> PredictPlan:
     program, bufs = net.program, net.program.buffers
     mine = {id(e) for e in ancestors}
     value = bufs.value_home(out)   # what kernels write (a zero-copy join's)
-    steps, phase = [s for s in program.test
-                    if not isinstance(s, HostStep) or id(s.ensemble) in mine], "test"
+    def needed(steps: list) -> list:   # host steps only where the output depends on them
+        return [s for s in steps if not isinstance(s, HostStep) or id(s.ensemble) in mine]
+
+    steps, phase = needed(program.test), "test"
     if not isinstance(out, DataEnsemble) and (not _writes(steps, value, bufs)
                                               or value in program.test_values):
         # an intermediate of the test program (in a fused group's line buffers, or in the
         # arena): the training forward stores it
-        steps, phase = [s for s in program.forward
-                        if not isinstance(s, HostStep) or id(s.ensemble) in mine], "forward"
+        steps, phase = needed(program.forward), "forward"
     prepare = tuple(e for e in ancestors if isinstance(e, Ensemble)
                     and type(e).before_forward is not Ensemble.before_forward)
     return PredictPlan(inputs[0], out, tuple(steps), prepare, phase)
