@@ -14,7 +14,10 @@ from latte import Net, Phase
 from latte.compiler.explain import explain_program
 from latte.compiler.program import Segment
 from latte.stdlib import MemoryDataLayer
-from latte.zoo.nets import basic_block
+from latte.compiler.fusion import mergeable
+from latte.compiler.ir import Kernel
+from latte.compiler.passes.tiling import tile_loop
+from latte.zoo.nets import basic_block, bottleneck
 
 SHAPE = (4, 10, 10)
 
@@ -44,9 +47,9 @@ CASES = {  # builder, the test groups at opt 3
 }
 
 
-def _net(build, opt_level: int, threads: int):
-    net = Net(2, opt_level=opt_level, num_threads=threads, seed=0)
-    x = MemoryDataLayer(net, "x", SHAPE)
+def _net(build, opt_level: int, threads: int, batch: int = 2, shape: tuple = SHAPE):
+    net = Net(batch, opt_level=opt_level, num_threads=threads, seed=0)
+    x = MemoryDataLayer(net, "x", shape)
     out = build(stdlib, net, x)
     WeightedSumLoss(net, "loss", out)
     net.init()
@@ -131,3 +134,27 @@ def test_a_conv_read_twice_is_not_fused_with_its_bn():
     for n in (net, plain):
         n.forward(Phase.TEST)
     assert_scaled_close(net.value(out), plain.value(out.name), 1e-5, "test-mode output")
+
+
+def test_a_group_around_statements_without_tiles_fuses_in_order():
+    """A ResNet-50 bottleneck at batch 1, 2 threads: its 3x3 conv's Winograd kernel has
+    statements without a tile loop between its tiled ones. Its group with the BN, ReLU,
+    the 1x1 conv and the BN + add + ReLU tail has no halo, so the members' statements run
+    in their order, tiles and all; the test forward equals opt 0's."""
+    def build(lib, net, x):
+        return bottleneck(lib, "b", net, x, 8, 1)
+
+    shape = (32, 16, 16)
+    net, x, out = _net(build, 3, 2, batch=1, shape=shape)
+    plain, *_ = _net(build, 0, 2, batch=1, shape=shape)
+    group = next(g for g in net.program.test_groups if g.plans[0].ensemble.name == "b_conv2")
+    assert group.name == "+".join(f"b_{n}" for n in ("conv2", "conv2_bn", "conv2_relu", "conv3",
+                                                    "conv3_bn", "add", "relu"))
+    assert not any(group.links) and mergeable(group)
+    test = group.plans[0].kernels["test"]
+    assert isinstance(test, Kernel) and any(tile_loop(s) is None for s in test.body.stmts)
+    assert f"{group.name}.test" in _ran(net)
+    for phase in (Phase.TEST, Phase.TRAIN, Phase.TEST):
+        for n in (net, plain):
+            n.forward(phase)
+        assert_scaled_close(net.value(out), plain.value(out.name), 1e-5, f"{phase} output")

@@ -382,9 +382,11 @@ def _ahead(nest: Loop) -> int:
 
 
 def mergeable(group: Group, phases: tuple = ("forward", "backward")) -> bool:
-    """Whether :func:`merge` can order each phase's statements without tiles (below)."""
-    return all(_untiled([s for p in group.plans for s in p.kernels[ph].body.stmts]) is not None
-               for ph in phases)
+    """Whether :func:`merge` can order each phase's statements without tiles (below): a
+    group without halo links keeps its members' statements in order, which is always legal."""
+    return not any(group.links) or all(
+        _untiled([s for p in group.plans for s in p.kernels[ph].body.stmts]) is not None
+        for ph in phases)
 
 
 def _untiled(stmts: list) -> tuple[list, list] | None:
