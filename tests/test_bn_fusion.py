@@ -12,11 +12,11 @@ from helpers import WeightedSumLoss, assert_scaled_close
 import latte.stdlib as stdlib
 from latte import Net, Phase
 from latte.compiler.explain import explain_program
-from latte.compiler.program import Segment
-from latte.stdlib import MemoryDataLayer
 from latte.compiler.fusion import mergeable
 from latte.compiler.ir import Kernel
 from latte.compiler.passes.tiling import tile_loop
+from latte.compiler.program import Segment
+from latte.stdlib import MemoryDataLayer
 from latte.zoo.nets import basic_block, bottleneck
 
 SHAPE = (4, 10, 10)
