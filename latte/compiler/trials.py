@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from latte.aligned import aligned_zeros
 from latte.compiler import microkernel
 from latte.compiler.codegen import ModuleBuilder
 from latte.compiler.fingerprint import compiler_digest
@@ -45,8 +46,9 @@ def transposed_a_beats_blas(vector: tuple[int, int], l2: int) -> bool:
     """Does the micro-kernel run :data:`TRANSPOSED_A_TRIAL`, A read transposed, faster than
     BLAS here (``transposed-a-speedup-<key>.json``)?"""
     m, n, k = TRANSPOSED_A_TRIAL
-    return measured("transposed-a-speedup",
-                    lambda: time_in_place([(m, n, k, m, n, n)], True, vector, l2)[0]) > 1.0
+    return measured(f"transposed-a-speedup kernel {_kernel_revision()}",
+                    lambda: time_in_place([(m, n, k, m, n, n)], True, vector, l2)[0],
+                    "transposed-a-speedup") > 1.0
 
 
 def measure(products: list[tuple], vector: tuple[int, int], l2: int) -> None:
@@ -75,9 +77,10 @@ def _name(product: tuple) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _kernel_revision() -> str:
-    """A digest of the micro-kernel's source: a product is timed again when the kernel
-    changes (its speed is what was timed)."""
-    return hashlib.sha256(Path(microkernel.__file__).read_bytes()).hexdigest()[:12]
+    """A digest of the micro-kernel's source and of this module's: a product is timed again
+    when the kernel or the way it is timed changes."""
+    sources = Path(microkernel.__file__).read_bytes() + Path(__file__).read_bytes()
+    return hashlib.sha256(sources).hexdigest()[:12]
 
 
 def time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int], l2: int,
@@ -116,7 +119,7 @@ def time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int],
         with one_blas_thread() as sgemm:
             for i in share:
                 (m, n, k, lda, ldb, ldc), g = products[i], gemms[i]
-                a, b, c = (np.full((buf.size,), 0.5, np.float32) for buf in (g.a_buf, g.b_buf, g.c_buf))
+                a, b, c = (_operand(buf.size) for buf in (g.a_buf, g.b_buf, g.c_buf))
                 table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
                 tiled = functools.partial(
                     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(library.address(f"trial{i}")),
@@ -134,6 +137,14 @@ def time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int],
     for share, data in zip(dealt, side_by_side([lambda t=t: race(t) for t in dealt])):
         for i, ratio in zip(share, np.frombuffer(data, np.float64)):
             out[i] = float(ratio)
+    return out
+
+
+def _operand(size: int) -> np.ndarray:
+    """``size`` floats of 0.5, 64-byte aligned as a program's buffers are (numpy's own
+    arrays start 16 bytes past a line, where the micro-kernel's vectors would split lines)."""
+    out = aligned_zeros((size,), np.float32)
+    out[...] = 0.5
     return out
 
 

@@ -145,13 +145,13 @@ def in_place_pays(g: Gemm, vector: tuple[int, int], l2: int) -> bool:
     """Does the micro-kernel, reading ``g``'s B in place, beat BLAS on this machine? A small
     product: yes (BLAS packs both operands at every call). A transposed A:
     :func:`transposed_a_in_place`. From :data:`MEASURED_FMAS` multiply-adds, each shape
-    (sizes and leading dimensions) is timed once per machine on one thread, both ways
-    (:func:`~latte.compiler.trials.beats_blas`, ``in-place-speedup-<key>.json``): on an
-    Intel Xeon (emeraldrapids) the micro-kernel ran 128 x 512 over 1024 (an MLP's input
-    gradient, B's rows 4 KiB apart, in one cache set) at 0.43 of BLAS's speed and at 1.32
-    with rows 2.5 KiB apart, 256 x 196 over 4608 (a deep im2col product, neither operand in
-    L2) at 0.43, a Winograd product of 512 channels at 1.03. ``LATTE_IN_PLACE=0``/``1``
-    decides those with A along its rows without measuring."""
+    (sizes and leading dimensions) is timed once per machine on one thread, both ways, on
+    operands aligned as a program's buffers are (:func:`~latte.compiler.trials.beats_blas`,
+    ``in-place-speedup-<key>.json``): on an Intel Xeon (rocketlake) the micro-kernel ran
+    a 1x1 convolution of ResNet-50 at batch 1 (64 x 784 over 256, B's rows 12 KiB apart) at
+    1.14x of BLAS's speed and a 3x3 convolution's im2col product (128 x 196 over 2304) at
+    0.95x (``latte explain`` prints each ratio). ``LATTE_IN_PLACE=0``/``1`` decides those
+    with A along its rows without measuring."""
     if g.trans_a:
         return transposed_a_in_place(vector, l2)
     forced = os.environ.get("LATTE_IN_PLACE")
