@@ -151,6 +151,7 @@ def _make_plan(net, out) -> PredictPlan:
     program, bufs = net.program, net.program.buffers
     mine = {id(e) for e in ancestors}
     value = bufs.value_home(out)   # what kernels write (a zero-copy join's)
+
     def needed(steps: list) -> list:   # host steps only where the output depends on them
         return [s for s in steps if not isinstance(s, HostStep) or id(s.ensemble) in mine]
 
