@@ -28,7 +28,7 @@ from latte.compiler.ir import (
 )
 from latte.compiler.jit import target
 from latte.compiler.passes.parallel import parallel, slicing
-from latte.compiler.passes.tiling import MIN_TILE, heights
+from latte.compiler.passes.tiling import MIN_TILE, balanced, busiest, heights
 from latte.stdlib import (
     ConvolutionLayer,
     FullyConnectedLayer,
@@ -168,6 +168,52 @@ def test_tiles_are_the_smallest_wide_enough_for_a_gemm():
         (tile,) = [n for n in walk(net.program.plans[0].kernels["forward"].body)
                    if isinstance(n, Loop) and n.kind is LoopKind.TILE_OUTER]
         assert dict(tile.meta)["tile_size"] == want
+
+
+def test_tile_heights_share_the_tiles_out_evenly_among_the_threads():
+    """56 rows at batch 1 on 2 threads: 7 tiles of 8 rows leave the busier thread 4 tiles (32
+    rows), 8 of 7 rows 28; at batch 16 every height gives each thread 448 rows, and the
+    cache's choice stays. ``balanced`` moves off that choice only for fewer rows on the
+    busiest thread: to the fewest, then to a height that fits, then to the smallest."""
+    assert [busiest(1, 56, t, 2) for t in (8, 14, 28, 56, 7)] == [32, 28, 28, 56, 28]
+    assert {busiest(16, 56, t, 2) for t in (8, 14, 28, 7)} == {448}
+    busy = lambda t: busiest(1, 56, t, 2)  # noqa: E731
+    order = [8, 14, 28, 56, 7]
+    assert balanced(8, order, lambda t: t <= 14, busy) == 14     # fits
+    assert balanced(8, order, lambda t: False, busy) == 7        # none fits: the smallest
+    assert balanced(8, order, lambda t: True, lambda t: 0) == 8  # no better share
+    assert balanced(None, order, lambda t: True, busy) is None
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_a_lone_image_is_tiled_for_the_threads(relu):
+    """A 5x5 convolution (no Winograd) of 30 rows 32 wide: its tiles need 8 rows for
+    ``MIN_TILE`` elements a channel, and of the divisors of 30 the cache takes 10. At batch
+    1 on 2 threads those are 3 tiles, 2 for one thread: tiles of 15 rows give each thread
+    one. With batch 2, or one thread, it stays 10. Alone (``tile_loops``) or fused with a
+    ReLU (the group's rows), and the outputs are level 0's."""
+    def net_of(batch: int, threads: int, opt_level: int = 3):
+        net = Net(batch, opt_level=opt_level, num_threads=threads, seed=0)
+        x = MemoryDataLayer(net, "x", (4, 30, 32))
+        top = ConvolutionLayer("conv", net, x, 8, 5, pad=2)
+        if relu:
+            top = ReLULayer("relu", net, top)
+        net.init()
+        net.value(x)[...] = np.random.default_rng(1).standard_normal(net.value(x).shape)
+        net.forward()
+        return net, top
+
+    for batch, threads, want in ((1, 2, 15), (2, 2, 10), (1, 1, 10)):
+        net, top = net_of(batch, threads)
+        assert [g.rows for g in net.program.groups] == ([{net.ensemble("conv"): want,
+                                                           net.ensemble("relu"): want}]
+                                                        if relu else [])
+        (tile,) = [n for n in walk(_kernel(net, "conv", "forward").body)
+                   if isinstance(n, Loop) and n.kind is LoopKind.TILE_OUTER]
+        assert dict(tile.meta)["tile_size"] == want
+        plain, _ = net_of(batch, 1, opt_level=0)
+        np.testing.assert_allclose(net.value(top), plain.value(top.name),
+                                   rtol=1e-4, atol=1e-5)
 
 
 def test_weight_gradients_accumulate_in_private_buffers():

@@ -45,13 +45,17 @@ from latte.compiler.passes.localize import drop_stores
 from latte.compiler.passes.tiling import (
     FLOAT_BYTES,
     MIN_TILE,
+    balanced,
+    busiest,
     ensemble_chain,
     heights,
     is_batch_loop,
     strip_mined,
     tile_boxes,
     tile_loop,
+    windowed_components,
 )
+from latte.compiler.passes.winograd import takes
 from latte.errors import CompileError
 from latte.lang import ActivationEnsemble, FieldKind, NormalizationEnsemble, Phase, sources
 
@@ -90,7 +94,7 @@ def fusion_groups(net, plans, budget: int, threads: int = 1) -> list[Group]:
     skewed. A skewed group runs its tiles in order, so only the batch is left to share among
     ``threads``: with fewer items than threads, halos end groups instead."""
     return _chains(net, plans, _cuts(plans, budget, net.batch_size), budget,
-                   _max_lag(net, threads))
+                   _max_lag(net, threads), share=(net.batch_size, threads))
 
 
 def test_groups(net, plans, groups: list[Group], budget: int, threads: int = 1) -> list[Group]:
@@ -112,7 +116,7 @@ def test_groups(net, plans, groups: list[Group], budget: int, threads: int = 1) 
 
     alive = [p for p in plans if p.ensemble not in ignored]
     found = _chains(net, alive, _cuts(plans, budget, net.batch_size), budget,
-                    _max_lag(net, threads), ignored, fixed, whole)
+                    _max_lag(net, threads), ignored, fixed, whole, (net.batch_size, threads))
     trained = [[p.ensemble for p in g.plans] for g in groups]
     return [g for g in found if [p.ensemble for p in g.plans] not in trained]
 
@@ -146,7 +150,8 @@ def _cuts(plans, budget: int, batch: int) -> set:
 
 
 def _chains(net, plans, cuts: set, budget: int, max_lag: int, ignored: frozenset = frozenset(),
-            fixed: dict | None = None, whole=None) -> list[Group]:
+            fixed: dict | None = None, whole=None,
+            share: tuple[int, int] = (1, 1)) -> list[Group]:
     """Runs of ``plans`` that consume each other (:func:`_consumes`, not counting the reads of
     ``ignored`` ensembles), cut into groups by :func:`_fit`."""
     groups, chain = [], []
@@ -154,9 +159,9 @@ def _chains(net, plans, cuts: set, budget: int, max_lag: int, ignored: frozenset
         if chain and plan.ensemble not in cuts and _consumes(net, chain, plan, ignored):
             chain.append(plan)
             continue
-        groups += _fit(chain, budget, max_lag, fixed, whole)
+        groups += _fit(chain, budget, max_lag, fixed, whole, share)
         chain = [plan] if _tileable(plan) else []
-    return groups + _fit(chain, budget, max_lag, fixed, whole)
+    return groups + _fit(chain, budget, max_lag, fixed, whole, share)
 
 
 def _tileable(plan) -> bool:
@@ -200,15 +205,16 @@ def _scale(plan, prod) -> int:
 
 
 def _fit(chain: list, budget: int, max_lag: int, fixed: dict | None = None,
-         whole=None) -> list[Group]:
+         whole=None, share: tuple[int, int] = (1, 1)) -> list[Group]:
     """``chain`` cut into groups: from each start, the longest run with a tiling that is legal
     and fits ``budget`` (a halo or an overflow ends a group; the next one starts after it),
-    gives the ensembles in ``fixed`` their rows there, and that ``whole`` accepts."""
+    gives the ensembles in ``fixed`` their rows there, and that ``whole`` accepts; ``share``:
+    the batch and the threads its tiles are shared among."""
     groups = []
     while len(chain) > 1:
         for end in range(len(chain), 1, -1):
-            fit = None if whole and not whole(chain[:end]) else _rows(chain[:end], budget,
-                                                                     max_lag, fixed or {})
+            fit = None if whole and not whole(chain[:end]) else _rows(
+                chain[:end], budget, max_lag, fixed or {}, share)
             if fit is not None:
                 groups.append(Group(list(chain[:end]), *fit))
                 chain = chain[end:]
@@ -218,41 +224,81 @@ def _fit(chain: list, budget: int, max_lag: int, fixed: dict | None = None,
     return groups
 
 
-def _rows(chain: list, budget: int, max_lag: int, fixed: dict) -> tuple[dict, int, tuple] | None:
+def _rows(chain: list, budget: int, max_lag: int, fixed: dict,
+          share: tuple[int, int]) -> tuple[dict, int, tuple] | None:
     """Each member's tile rows, the tile's working set and the links: of the legal tilings
     that fit ``budget``, the one with the lowest tiles in which every member with weights
     (a product's operand) gets ``MIN_TILE`` elements per channel (a conv after a 2x2 pool
-    has tiles a quarter as wide as its producer's). None where no tiling is legal."""
+    has tiles a quarter as wide as its producer's); unless another shares the tiles of the
+    batch out more evenly among the threads (``share``: :func:`~latte.compiler.passes.tiling.
+    balanced`; not where Winograd takes a member, whose tiles are best a multiple of its
+    output tiles, nor for a skewed group, whose tiles run in order). None where no tiling
+    is legal."""
     last = chain[-1].ensemble.shape[ROW_DIM]
-    pairs = list(zip(chain, chain[1:]))   # (producer, consumer)
     per_row = [1]   # each member's rows per row of the last member
-    for prod, plan in reversed(pairs):
+    for prod, plan in reversed(list(zip(chain, chain[1:]))):
         per_row.insert(0, per_row[0] * _scale(plan, prod.ensemble))
     weighted = [(k, p.ensemble.shape) for k, p in zip(per_row, chain) if p.ensemble.params]
     weighted = weighted or [(per_row[0], chain[0].ensemble.shape)]
     order = heights(last, lambda r: all(r * k * math.prod(shape[ROW_DIM + 1:]) >= MIN_TILE
                                         for k, shape in weighted))
-    for r in order:
-        tiles, sizes = last // r, [r * k for k in per_row]
-        if any(p.ensemble.shape[ROW_DIM] != s * tiles or fixed.get(p.ensemble, s) != s
-               for p, s in zip(chain, sizes)):
-            continue
-        links = tuple(_link(p, q.ensemble, s, s_prev, tiles, max_lag)
-                      for (q, p), s, s_prev in zip(pairs, sizes[1:], sizes))
-        if None in links:
-            continue
-        boxes: dict = {}
-        own = []
-        for p, s in zip(chain, sizes):
-            mine = _boxes(p, s)
-            own.append(sum(mine.values()) * FLOAT_BYTES)
-            for key, n in mine.items():
-                boxes[key] = max(boxes.get(key, 0), n)
-        total = sum(boxes.values()) * FLOAT_BYTES
-        # the first choice may overflow only by what one member overflows on its own
-        if total <= budget or (r == order[0] and total - max(own) <= budget):
-            return {p.ensemble: s for p, s in zip(chain, sizes)}, total, links
-    return None
+    tried = {r: _tiling(chain, per_row, r, max_lag, fixed) for r in order[:1]}
+
+    def usable(r: int) -> bool:   # overflowing only by what one member overflows alone
+        if r not in tried:
+            tried[r] = _tiling(chain, per_row, r, max_lag, fixed)
+        return tried[r] is not None and tried[r][1] - tried[r][3] <= budget
+
+    def fits(r: int) -> bool:
+        return usable(r) and tried[r][1] <= budget
+
+    first = next((r for r in order if fits(r) or (r == order[0] and usable(r))), None)
+
+    def busy(r: int) -> int:
+        return busiest(share[0], last, r, share[1])
+    cheaper = [] if first is None or any(tried[first][2]) else [
+        r for r in order if busy(r) < busy(first)]
+    if cheaper and _shared_by_rows(chain):
+        first = balanced(first, [r for r in cheaper if usable(r) and not any(tried[r][2])],
+                         fits, busy)
+    return None if first is None else tried[first][:3]
+
+
+def _shared_by_rows(chain: list) -> bool:
+    """Whether the threads' share of ``chain``'s tiles decides its tile rows: a member reads a
+    sliding window along the rows (the work the tiles hold; an element-wise group keeps the
+    rows its producers' tiles would have, so that the test forward's groups still form
+    around them), and Winograd takes none (its tiles are best a multiple of its output
+    tiles)."""
+    nests = [s for p in chain for s in p.kernels["forward"].body.stmts if is_batch_loop(s)]
+    return not any(takes(s) for s in nests) and any(
+        windowed_components(s, lp.var) for s in nests for lp in ensemble_chain(s)[1:]
+        if lp.axis.dim == ROW_DIM)
+
+
+def _tiling(chain: list, per_row: list[int], r: int, max_lag: int,
+            fixed: dict) -> tuple[dict, int, tuple, int] | None:
+    """The members' tile rows, the working set, the links and the largest member's own
+    working set of ``chain`` in tiles of ``r`` rows of its last member; None where that
+    tiling is not legal."""
+    last = chain[-1].ensemble.shape[ROW_DIM]
+    tiles, sizes = last // r, [r * k for k in per_row]
+    if any(p.ensemble.shape[ROW_DIM] != s * tiles or fixed.get(p.ensemble, s) != s
+           for p, s in zip(chain, sizes)):
+        return None
+    links = tuple(_link(p, q.ensemble, s, s_prev, tiles, max_lag)
+                  for (q, p), s, s_prev in zip(zip(chain, chain[1:]), sizes[1:], sizes))
+    if None in links:
+        return None
+    boxes: dict = {}
+    own = []
+    for p, s in zip(chain, sizes):
+        mine = _boxes(p, s)
+        own.append(sum(mine.values()) * FLOAT_BYTES)
+        for key, n in mine.items():
+            boxes[key] = max(boxes.get(key, 0), n)
+    return ({p.ensemble: s for p, s in zip(chain, sizes)}, sum(boxes.values()) * FLOAT_BYTES,
+            links, max(own))
 
 
 def _link(plan, prod, rows: int, producer_rows: int, tiles: int, max_lag: int) -> int | None:

@@ -54,9 +54,10 @@ from latte.compiler.passes.gather_grads import gather_input_grads
 from latte.compiler.passes.guards import split_guards
 from latte.compiler.passes.pack import measure_in_place, pack_weights, tile_in_place
 from latte.compiler.passes.stream import store_budget, stream_stores
+from latte.compiler.passes.tiling import is_batch_loop
 from latte.compiler.passes.time_hoist import hoist_param_grads
 from latte.compiler.passes.unswitch import unswitch_neuron_loops
-from latte.compiler.passes.winograd import winograd
+from latte.compiler.passes.winograd import takes, winograd
 from latte.compiler.passes.zero_init import fold_across
 from latte.compiler.printer import format_ir
 from latte.compiler.program import (
@@ -381,7 +382,7 @@ STEPS = (
     # same-size stride-1 windows' input gradients: gathers (a transposed convolution)
     Step("gather_grads", 2, lambda c, k: gather_input_grads(k, c.bufs, _grad_owners(c))),
     # row-plane tiles sized to the cache budget (or to the fused group's)
-    Step("tile_loops", 2, lambda c, k: tile_loops(k, c.budget, _forced(c, k))),
+    Step("tile_loops", 2, lambda c, k: tile_loops(k, c.budget, _forced(c, k), _sharing(c, k))),
     # 3x3 stride-1 windows through Winograd's transforms: 16 GEMMs over transformed tiles
     Step("winograd", 2, lambda c, k: winograd(k, c.bufs, cache_sizes()[3])),
     # sliding windows gathered into tile buffers, then GEMMs over them
@@ -426,6 +427,14 @@ VERIFIED_AFTER = ("synthesize",)
 def _grad_owners(c: Compilation) -> dict:
     """Gradient buffer -> its ensemble (an in-place activation's: either of the two)."""
     return {c.bufs.grad(e): e for e in c.net.ensembles}
+
+
+def _sharing(c: Compilation, kernel: Kernel) -> int:
+    """The threads ``kernel``'s row tiles are shared among, as their height is chosen: 1 (the
+    cache alone decides) where Winograd takes one of its nests."""
+    if any(is_batch_loop(s) and takes(s) for s in kernel.body.stmts):
+        return 1
+    return c.bufs.threads
 
 
 def _forced(c: Compilation, kernel: Kernel) -> tuple[int, int] | None:

@@ -328,6 +328,25 @@ def _add_small_windows(rng, net, prefix: str, case: Case, ens: list, readers: di
     ens.append(top)
 
 
+def _add_row_tiles(rng, net, prefix: str, case: Case, ens: list, readers: dict) -> None:
+    """In a sixth of the cases: an input of 2-3 channels, 6 or 10 rows and :data:`WIDE`
+    columns, a 5x5 convolution (Winograd takes none) into 2-4 channels and, half of the
+    time, a ReLU (a fused group at level 3): its tiles may be 2, 3 or 6 rows high (2, 5 or
+    10), and where the batch's tiles do not share out evenly among the threads the heights
+    that do are taken (:func:`~latte.compiler.passes.tiling.balanced`). Drawn from a
+    stream of its own: the case's other ensembles stay as they were."""
+    if rng.random() >= 1 / 6:
+        return
+    src = MemoryDataLayer(net, f"{prefix}rows", (int(rng.integers(2, 4)),
+                                                 int(rng.choice([6, 10])), WIDE))
+    case.inputs.append(src)
+    top = ConvolutionLayer(f"{prefix}r5x5", net, src, int(rng.integers(2, 5)), 5, pad=2)
+    if rng.random() < 0.5:
+        top = ReLULayer(f"{prefix}rrelu", net, top)
+    readers[src.name], readers[top.name] = 1, 0
+    ens.append(top)
+
+
 def _add_embedding(rng, net, prefix: str, case: Case, ens: list, readers: dict) -> None:
     """In a fifth of the cases: a table lookup (vocabularies across the lookup's blocks of
     16 rows) over an input of ids, fed as class indices are. Drawn from a stream of its own:
@@ -393,6 +412,7 @@ def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.
     _add_gathered(np.random.default_rng([seed, 13]), net, p, case.inputs, ens, readers)
     _add_embedding(np.random.default_rng([seed, 17]), net, p, case, ens, readers)
     _add_small_windows(np.random.default_rng([seed, 19]), net, p, case, ens, readers)
+    _add_row_tiles(np.random.default_rng([seed, 23]), net, p, case, ens, readers)
     sinks = [e for e in ens if readers[e.name] == 0 and e.name not in sealed
              and not isinstance(e, DataEnsemble)]
     for j, e in enumerate(sinks):

@@ -197,6 +197,12 @@ def winograd(kernel: Kernel, bufs, llc: int) -> Kernel:
     return replace(kernel, body=Block(tuple(stmts)))
 
 
+def takes(nest: Loop) -> bool:
+    """Whether :func:`winograd` computes the (tiled or untiled) nest ``nest`` by Winograd: its
+    row tiles are then best a multiple of its output tiles' height, whatever the threads."""
+    return os.environ.get("LATTE_WINOGRAD") != "0" and match(nest) is not None
+
+
 def match(nest: Loop, wide: str = "where it pays") -> Conv | None:
     """``nest`` as a :class:`Conv`, if it is one and Winograd pays for it: at least
     ``MIN_CHANNELS`` input channels (the GEMMs' depth) and ``MIN_TILES`` output tiles per
