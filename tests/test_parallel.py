@@ -12,6 +12,7 @@ from helpers import WeightedSumLoss, check_gradients, fill
 
 from latte import Net
 from latte.compiler.codegen import ModuleBuilder
+from latte.compiler.explain import explain_program
 from latte.compiler.ir import (
     TID,
     Affine,
@@ -211,6 +212,8 @@ def test_a_lone_image_is_tiled_for_the_threads(relu):
         (tile,) = [n for n in walk(_kernel(net, "conv", "forward").body)
                    if isinstance(n, Loop) and n.kind is LoopKind.TILE_OUTER]
         assert dict(tile.meta)["tile_size"] == want
+        assert not relu or (f"tile rows conv {want}, relu {want} ({30 // want} tiles an item)"
+                            in explain_program(net.program))
         plain, _ = net_of(batch, 1, opt_level=0)
         np.testing.assert_allclose(net.value(top), plain.value(top.name),
                                    rtol=1e-4, atol=1e-5)

@@ -6,7 +6,7 @@ import math
 
 from latte.compiler import HostStep, Segment, TimeSteps, trials
 from latte.compiler.autodiff import derived_backward, format_neuron
-from latte.compiler.fusion import planner_chain
+from latte.compiler.fusion import ROW_DIM, planner_chain
 from latte.compiler.ir import Gemm, Ref, accesses, walk
 from latte.compiler.passes.pack import timed
 from latte.compiler.passes.tiling import FLOAT_BYTES
@@ -144,12 +144,14 @@ def _time(program) -> list[str]:
 
 
 def describe(groups: list, budget: int) -> list[str]:
-    """Each fused group, its tile heights and per-tile working set."""
+    """Each fused group, its tile heights, tiles per item and per-tile working set."""
     out = []
     for g in groups:
         rows = ", ".join(f"{p.ensemble.name} {g.rows[p.ensemble]}" for p in g.plans)
-        out.append(f"  group {g.name}: tile rows {rows}; working set per tile "
-                   f"{g.footprint / 1024:.0f} KiB (budget {budget / 1024:.0f} KiB)")
+        first = g.plans[0].ensemble
+        out.append(f"  group {g.name}: tile rows {rows} ({first.shape[ROW_DIM] // g.rows[first]} "
+                   f"tiles an item); working set per tile {g.footprint / 1024:.0f} KiB (budget "
+                   f"{budget / 1024:.0f} KiB)")
         for c in g.choices.values():
             fields = ", ".join(b.name for b in c.fields)
             out.append(f"    {fields}: {'recomputed in backward' if c.recompute else 'kept'} "

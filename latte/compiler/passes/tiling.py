@@ -9,7 +9,7 @@ the whole extent where none has): the smallest whose working set (every buffer r
 tile touches, gathered windows included, but not what every tile reads alike, the weights)
 fits the cache budget, else the smallest; unless another shares the batch's tiles out more
 evenly among the threads (:func:`busiest`: a VGG-16 layer of 56 rows at batch 1, in 7 tiles
-of 8 rows, kept one of two threads idle for an eighth of its time; 8 tiles of 7 do not).
+of 8 rows, kept one of two threads idle for a quarter of the loop; 8 tiles of 7 do not).
 
 The tile loop records the dependence along the tiled dimension in ``meta``, printed with the
 IR (``LATTE_DUMP=ir``, ``latte explain``): ``tile_size``, ``scale`` (source rows advanced per
