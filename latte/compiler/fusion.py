@@ -229,11 +229,11 @@ def _rows(chain: list, budget: int, max_lag: int, fixed: dict,
     """Each member's tile rows, the tile's working set and the links: of the legal tilings
     that fit ``budget``, the one with the lowest tiles in which every member with weights
     (a product's operand) gets ``MIN_TILE`` elements per channel (a conv after a 2x2 pool
-    has tiles a quarter as wide as its producer's); unless another shares the tiles of the
-    batch out more evenly among the threads (``share``: :func:`~latte.compiler.passes.tiling.
-    balanced`; not where Winograd takes a member, whose tiles are best a multiple of its
-    output tiles, nor for a skewed group, whose tiles run in order). None where no tiling
-    is legal."""
+    has tiles a quarter as wide as its producer's); unless another (one that fits, or
+    overflows only by what one member overflows alone) shares the tiles of the batch out
+    more evenly among the threads (``share``, :func:`~latte.compiler.passes.tiling.balanced`;
+    not where :func:`_shared_by_rows` says no, nor for a skewed group, whose tiles run in
+    order). None where no tiling is legal."""
     last = chain[-1].ensemble.shape[ROW_DIM]
     per_row = [1]   # each member's rows per row of the last member
     for prod, plan in reversed(list(zip(chain, chain[1:]))):
