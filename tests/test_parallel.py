@@ -183,6 +183,7 @@ def test_tile_heights_share_the_tiles_out_evenly_among_the_threads():
     assert balanced(8, order, lambda t: t <= 14, busy) == 14     # fits
     assert balanced(8, order, lambda t: False, busy) == 7        # none fits: the smallest
     assert balanced(8, order, lambda t: True, lambda t: 0) == 8  # no better share
+    assert balanced(8, order, lambda t: True, busy, lambda t: t > 14) == 28   # usable only
     assert balanced(None, order, lambda t: True, busy) is None
 
 

@@ -20,6 +20,7 @@ producer's rows are still in cache when the consumer reads them.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 
@@ -242,7 +243,7 @@ def _rows(chain: list, budget: int, max_lag: int, fixed: dict,
     weighted = weighted or [(per_row[0], chain[0].ensemble.shape)]
     order = heights(last, lambda r: all(r * k * math.prod(shape[ROW_DIM + 1:]) >= MIN_TILE
                                         for k, shape in weighted))
-    tried = {r: _tiling(chain, per_row, r, max_lag, fixed) for r in order[:1]}
+    tried: dict = {}
 
     def usable(r: int) -> bool:   # overflowing only by what one member overflows alone
         if r not in tried:
@@ -253,14 +254,10 @@ def _rows(chain: list, budget: int, max_lag: int, fixed: dict,
         return usable(r) and tried[r][1] <= budget
 
     first = next((r for r in order if fits(r) or (r == order[0] and usable(r))), None)
-
-    def busy(r: int) -> int:
-        return busiest(share[0], last, r, share[1])
-    cheaper = [] if first is None or any(tried[first][2]) else [
-        r for r in order if busy(r) < busy(first)]
-    if cheaper and _shared_by_rows(chain):
-        first = balanced(first, [r for r in cheaper if usable(r) and not any(tried[r][2])],
-                         fits, busy)
+    if first is not None and not any(tried[first][2]):   # a skewed group's tiles run in order
+        shared = functools.cache(lambda: _shared_by_rows(chain))
+        first = balanced(first, order, fits, lambda r: busiest(share[0], last, r, share[1]),
+                         lambda r: shared() and usable(r) and not any(tried[r][2]))
     return None if first is None else tried[first][:3]
 
 

@@ -432,7 +432,7 @@ def _grad_owners(c: Compilation) -> dict:
 def _sharing(c: Compilation, kernel: Kernel) -> int:
     """The threads ``kernel``'s row tiles are shared among, as their height is chosen: 1 (the
     cache alone decides) where Winograd takes one of its nests."""
-    if any(is_batch_loop(s) and takes(s) for s in kernel.body.stmts):
+    if c.bufs.threads == 1 or any(is_batch_loop(s) and takes(s) for s in kernel.body.stmts):
         return 1
     return c.bufs.threads
 

@@ -123,15 +123,15 @@ def busiest(batch: int, extent: int, rows: int, threads: int) -> int:
     return -(-batch * (extent // rows) // threads) * rows
 
 
-def balanced(first: int | None, usable: list[int], fits, busy) -> int | None:
-    """The tile height to take: ``first`` (what the cache alone picks), unless one of
-    ``usable`` (best first) leaves the busiest thread fewer rows (``busy(height)``); of
+def balanced(first: int | None, order: list[int], fits, busy, usable=lambda t: True) -> int | None:
+    """The tile height to take: ``first`` (what the cache alone picks), unless a ``usable``
+    one of ``order`` (best first) leaves the busiest thread fewer rows (``busy(height)``); of
     those, the fewest such rows, then one that ``fits`` the cache, then the smallest."""
-    better = [t for t in usable if first is None or busy(t) < busy(first)]
-    if first is None or not better:
-        return first
-    return min(better, key=lambda t: (busy(t), not fits(t), t if not fits(t) else 0,
-                                      usable.index(t)))
+    if first is None:
+        return None
+    better = [t for t in order if busy(t) < busy(first) and usable(t)]
+    return min(better, default=first, key=lambda t: (busy(t), not fits(t), 0 if fits(t) else t,
+                                                     order.index(t)))
 
 
 def _tile(nest: Loop, budget: int, forced: tuple[int, int] | None, threads: int) -> Loop:
