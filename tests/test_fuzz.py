@@ -93,6 +93,10 @@ ROUNDING = {
            "a 3-step time net: dozens of values zero but for rounding meet a ReLU's `value <= "
            "0`, and the flips compound through a recurrent arg-max; one jittered pair's "
            "moves added fall short of level 0's combination, three pairs' do not",
+    57937: "a max pool's 4-way tie in a 3-step time net (neurons that read the same inputs); "
+           "level 3's lanes round 1 ulp apart (`reassoc contract`), so the gradient goes to "
+           "another of the four; three jittered pairs sent it to that one in no reference, "
+           "eight do",
 }
 
 

@@ -60,7 +60,8 @@ ATOL = 1e-5                     # float32 rounding of what an array's tiny entri
 NUDGE = 1e-5                    # a nudge that shows which entries hang on a near-tie
 JITTER = 4 * 2.0**-24           # a perturbation of every computed value, the size of what
                                 # float32 rounds it by (2**-24 at most; exp, tanh: 2 ulp)
-JITTER_PAIRS = 3                # jittered references of opposite signs, each pair its own draws
+JITTER_PAIRS = 8                # jittered references of opposite signs, each pair its own draws:
+                                # a tie among k entries must go to each in one of them (case 57937)
 
 
 @dataclass(frozen=True)
