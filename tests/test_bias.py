@@ -207,13 +207,14 @@ def test_a_relu_alone_and_a_product_inside_a_tile_loop_fold():
     assert inner.body.stmts[0].bias_buf is BIAS
 
 
-def test_a_relu_is_not_folded_into_blocks_of_k():
-    """``max(x, 0)`` applies to the finished sum: a product run in blocks of ``k`` (each
-    adding to C) keeps its ReLU nest."""
+def test_a_relu_is_folded_into_blocks_of_k():
+    """A product run in blocks of ``k`` (each adding to C) takes the bias and the ReLU too:
+    its last block applies ``max(x, 0)`` to the finished sum (the micro-kernel's tests check
+    the numbers)."""
     product = _split_product(False)
     blocked = replace(product, body=Block((replace(product.body.stmts[0], k_block=2),)))
-    assert len(_fold(blocked, _nest(relu=C))) == 2
-    assert _fold(blocked, _nest())[0].body.stmts[0].bias_buf is BIAS
+    (folded,) = _fold(blocked, _nest(relu=C))
+    assert folded.body.stmts[0].relu and folded.body.stmts[0].bias_buf is BIAS
 
 
 @pytest.mark.parametrize("nest", [

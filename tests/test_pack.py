@@ -24,6 +24,7 @@ from latte.compiler.microkernel import (
     dot_columns,
     dot_tile,
     in_place_tile,
+    realigned,
     tile,
 )
 from latte.compiler.passes.pack import _dot
@@ -92,6 +93,8 @@ def test_tiled_gemm_matches_numpy(m, n, k, rows, cols, lanes, trans_a, alpha, be
     (20, 49, 300, 64, 8, 48),     # 4 blocks of 64 and one of 44, a column of dot products
     (30, 40, 256, 128, 5, 32),    # 2 whole blocks, 8 columns of dot products
     (9, 7, 50, 16, 4, 16),        # n below one vector
+    (64, 196, 300, 128, 5, 80),   # rows 198 floats apart copied to rows of 208, 3 blocks
+    (40, 150, 37, 0, 4, 48),      # the same, all of k in one copy
 ])
 @pytest.mark.parametrize("alpha,beta", [(1.0, 0.0), (0.5, -2.0)])
 def test_b_in_place_in_blocks_of_k_adds_up(m, n, k, k_block, rows, cols, alpha, beta):
@@ -100,6 +103,25 @@ def test_b_in_place_in_blocks_of_k_adds_up(m, n, k, k_block, rows, cols, alpha, 
     c, expected = _run_tiled(m, n, k, rows, cols, 16, False, alpha, beta, False, k_block=k_block)
     np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
     np.testing.assert_array_equal(c[:, n:], expected[:, n:])
+
+
+def test_b_in_place_off_vector_boundaries_is_copied_to_realigned_rows():
+    """B's rows starting off a vector's boundary, wider than one panel and read by at
+    least 4 row blocks are copied, blocks of k at a time, to rows of whole vectors: 196
+    floats (a 14x14 image) to 208; not rows a vector apart, one panel of 3 vectors (a 7x7
+    image's 49 floats), 3 row blocks, or rows too long for a copy a vector deep."""
+    assert realigned(64, 196, 196, (5, 80), 16) == 208
+    assert realigned(64, 196, 196, (5, 80), 8) == 200
+    assert realigned(64, 208, 196, (5, 80), 16) == 0
+    assert realigned(64, 49, 49, (8, 48), 16) == 0
+    assert realigned(15, 196, 196, (5, 80), 16) == 0
+    assert realigned(64, 2050, 2050, (5, 80), 16) == 0
+    # a 1x1 convolution of a 14x14 image: 128 rows of 208 floats at a time (157 fit)
+    assert in_place_tile(64, 196, 1024, 16, 32, 1 << 20, ldb=196) == (5, 80, 128)
+    assert in_place_tile(64, 196, 1024, 16, 32, 1 << 20, ldb=208) == (5, 80, 0)
+    # a 3x3 one over 4608 window elements: the panel sized for the copy's blocks of 144
+    assert in_place_tile(64, 196, 4608, 16, 32, 1 << 20)[1:] == (80, 144)
+    assert in_place_tile(64, 196, 4608, 16, 32, 1 << 20, ldb=208)[1] == 48
 
 
 def test_a_large_b_in_place_runs_in_blocks_of_k_that_stay_in_cache():
@@ -111,8 +133,8 @@ def test_a_large_b_in_place_runs_in_blocks_of_k_that_stay_in_cache():
     assert in_place_tile(64, 49, 4000, 16, 32, 512 << 10)[2] == 2000
     assert in_place_tile(64, 49, 4001, 16, 32, 512 << 10)[2] == 2672
     assert in_place_tile(64, 49, 2304, 16, 32, 512 << 10)[2] == 0
-    assert in_place_tile(32, 49, 4608, 16, 32, 512 << 10)[2] == 0
-    assert in_place_tile(64, 49, 4608, 16, 32, 512 << 10, trans_a=True)[2] == 0
+    assert in_place_tile(32, 49, 4608, 16, 32, 512 << 10, ldb=64)[2] == 0
+    assert in_place_tile(64, 49, 4608, 16, 32, 512 << 10, trans_a=True, ldb=64)[2] == 0
 
 
 @pytest.mark.parametrize("m,n,k,lanes,dots", [
@@ -166,10 +188,9 @@ def test_dot_products_match_numpy(m, n, k, rows, cols, lanes, alpha, beta):
     (9, 40, 20, 6, 16, 8),        # AVX2-sized tiles
     (50, 40, 30, 4, 32, 16),      # row block by row block
 ])
-@pytest.mark.parametrize("form,per", [   # no ReLU after blocks of k: their stores are partial
+@pytest.mark.parametrize("form,per", [   # after blocks of k, the last one takes the ReLU
     (f, p) for f in ("packed", "in place", "in place, blocks of k", "dot products")
-    for p in ("column", "row", "row, then max(x, 0)")
-    if not (f == "in place, blocks of k" and p.endswith("max(x, 0)"))])
+    for p in ("column", "row", "row, then max(x, 0)")])
 @pytest.mark.parametrize("beta", [0.0, 1.0])
 def test_tiled_gemm_adds_a_bias_per_column_or_row(m, n, k, rows, cols, lanes, form, beta, per):
     """``C = A @ B + beta * C + bias[j]`` (``bias[i]`` per row; then, with the ReLU,

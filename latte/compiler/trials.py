@@ -96,7 +96,7 @@ def time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int],
     for i, (m, n, k, lda, ldb, ldc) in enumerate(products):
         bufs = [Buffer((x, i), x, (size,)) for x, size in
                 zip("ABC", ((k if trans_a else m) * lda, k * ldb, m * ldc))]
-        rows, cols, block = in_place_tile(m, n, k, lanes, vector[1], l2 // 2, trans_a)
+        rows, cols, block = in_place_tile(m, n, k, lanes, vector[1], l2 // 2, trans_a, ldb)
         gemms.append(Gemm(m, n, k, bufs[0], Affine(), lda, trans_a, bufs[1], Affine(), ldb,
                           False, bufs[2], Affine(), ldc, beta=0.0, panel=(rows, cols, lanes),
                           packed=False, k_block=block))

@@ -98,7 +98,7 @@ def _fold(first, second):
         return None
     loop, pick = products
     pieces = [pick(v) for v in _values(loop)]
-    if any(not g.panel or g.relu or g.c_buf is not nest.c_buf or (nest.relu and g.k_block)
+    if any(not g.panel or g.relu or g.c_buf is not nest.c_buf
            or (nest.bias is not None and (g.bias_buf is not None or nest.bias.buffer is g.c_buf))
            for g in pieces):
         return None

@@ -130,7 +130,7 @@ def _in_place_tile(g: Gemm, vector: tuple[int, int], l2: int, shared: int):
     if (g.panel or g.trans_b or g.m == 1 or g.n == 1 or 4 * g.m * g.k > shared // 2
             or not _short_columns(g)):
         return None
-    return in_place_tile(g.m, g.n, g.k, vector[0] // 32, vector[1], l2 // 2, g.trans_a)
+    return in_place_tile(g.m, g.n, g.k, vector[0] // 32, vector[1], l2 // 2, g.trans_a, g.ldb)
 
 
 def measure_in_place(kernels: list[Kernel], vector: tuple[int, int], l2: int, shared: int) -> None:
