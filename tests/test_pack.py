@@ -40,15 +40,16 @@ def _packed(b: np.ndarray, cols: int) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(k, panels, cols).transpose(1, 0, 2))
 
 
-def _run_tiled(m, n, k, rows, cols, lanes, trans_a, alpha, beta, packed=True, seed=0, k_block=0):
+def _run_tiled(m, n, k, rows, cols, lanes, trans_a, alpha, beta, packed=True, seed=0, k_block=0,
+               past=2):
     rng = np.random.default_rng(seed)
     lda, ldc = (m if trans_a else k) + 3, n + 5        # leading dimensions wider than the block
     a = rng.standard_normal(((k if trans_a else m), lda)).astype(np.float32)
     b = rng.standard_normal((k, n)).astype(np.float32)
     c = rng.standard_normal((m, ldc)).astype(np.float32)
-    # B in place: rows wider than the block, the columns past it NaN
-    p = _packed(b, cols) if packed else np.pad(b, ((0, 0), (0, 2)), constant_values=np.nan)
-    ldb = cols if packed else n + 2
+    # B in place: rows ``past`` floats wider than the block, the columns past it NaN
+    p = _packed(b, cols) if packed else np.pad(b, ((0, 0), (0, past)), constant_values=np.nan)
+    ldb = cols if packed else n + past
     op_a = (a[:, :m].T if trans_a else a[:, :k]).astype(np.float64)
     expected = c.astype(np.float64)
     expected[:, :n] = alpha * op_a @ b.astype(np.float64) + beta * expected[:, :n]
@@ -89,29 +90,36 @@ def test_tiled_gemm_matches_numpy(m, n, k, rows, cols, lanes, trans_a, alpha, be
     np.testing.assert_array_equal(c[:, n:], expected[:, n:])
 
 
-@pytest.mark.parametrize("m,n,k,k_block,rows,cols", [
-    (20, 49, 300, 64, 8, 48),     # 4 blocks of 64 and one of 44, a column of dot products
-    (30, 40, 256, 128, 5, 32),    # 2 whole blocks, 8 columns of dot products
-    (9, 7, 50, 16, 4, 16),        # n below one vector
-    (64, 196, 300, 128, 5, 80),   # rows 198 floats apart copied to rows of 208, 3 blocks
-    (40, 150, 37, 0, 4, 48),      # the same, all of k in one copy
+@pytest.mark.parametrize("m,n,k,k_block,rows,cols,past", [
+    (20, 49, 300, 64, 8, 48, 2),     # 4 blocks of 64 and one of 44, a column of dot products
+    (30, 40, 256, 128, 5, 32, 2),    # 2 whole blocks, 8 columns of dot products
+    (9, 7, 50, 16, 4, 16, 2),        # n below one vector
+    (64, 196, 300, 128, 5, 80, 2),   # rows 198 floats apart copied to rows of 208, 3 blocks
+    (40, 150, 37, 0, 4, 48, 2),      # the same, all of k in one copy
+    (40, 128, 100, 32, 5, 80, 384),  # rows 2 KiB apart copied to rows of 128 floats
+    (40, 500, 70, 48, 5, 80, 12),    # rows of 512 floats copied to rows of 528
 ])
 @pytest.mark.parametrize("alpha,beta", [(1.0, 0.0), (0.5, -2.0)])
-def test_b_in_place_in_blocks_of_k_adds_up(m, n, k, k_block, rows, cols, alpha, beta):
+def test_b_in_place_in_blocks_of_k_adds_up(m, n, k, k_block, rows, cols, past, alpha, beta):
     """B read in place ``k_block`` rows at a time: the first block with beta, the others
     adding to C, every column's sum over all of ``k``."""
-    c, expected = _run_tiled(m, n, k, rows, cols, 16, False, alpha, beta, False, k_block=k_block)
+    c, expected = _run_tiled(m, n, k, rows, cols, 16, False, alpha, beta, False, k_block=k_block,
+                             past=past)
     np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
     np.testing.assert_array_equal(c[:, n:], expected[:, n:])
 
 
 def test_b_in_place_off_vector_boundaries_is_copied_to_realigned_rows():
-    """B's rows starting off a vector's boundary, wider than one panel and read by at
-    least 4 row blocks are copied, blocks of k at a time, to rows of whole vectors: 196
-    floats (a 14x14 image) to 208; not rows a vector apart, one panel of 3 vectors (a 7x7
-    image's 49 floats), 3 row blocks, or rows too long for a copy a vector deep."""
+    """B's rows starting off a vector's boundary or a multiple of 2 KiB apart, wider than one
+    panel and read by at least 4 row blocks are copied, blocks of k at a time, to rows of
+    whole vectors: 196 floats (a 14x14 image) to 208, an MLP's 128 columns of 1024 to 128
+    (512 columns to 528: not 2 KiB apart); not rows a vector apart, one panel of 3 vectors
+    (a 7x7 image's 49 floats), 3 row blocks, or rows too long for a copy a vector deep."""
     assert realigned(64, 196, 196, (5, 80), 16) == 208
     assert realigned(64, 196, 196, (5, 80), 8) == 200
+    assert realigned(128, 1024, 128, (5, 80), 16) == 128
+    assert realigned(128, 512, 500, (5, 80), 16) == 528
+    assert realigned(128, 1040, 128, (5, 80), 16) == 0
     assert realigned(64, 208, 196, (5, 80), 16) == 0
     assert realigned(64, 49, 49, (8, 48), 16) == 0
     assert realigned(15, 196, 196, (5, 80), 16) == 0

@@ -13,8 +13,8 @@ The tile is chosen for the host's vector registers (:func:`tile`); a last partia
 ``n`` is computed whole over the zero padding and stored lane by lane, a last partial group
 of rows by a smaller tile. A B read in place has no padding: the last partial panel loads
 only the lanes that lie in B. One whose rows start off a vector's boundary (a 14x14 image's
-196 pixels) is copied a block of ``k`` at a time to aligned rows on the stack, zero-padded
-to whole vectors (:func:`realigned`).
+196 pixels) or lie a multiple of 2 KiB apart (an MLP's weights) is copied a block of ``k``
+at a time to aligned rows on the stack, zero-padded to whole vectors (:func:`realigned`).
 
 A product whose operands both run along ``k`` (B read transposed: a convolution's weight
 gradient, output gradient times gathered windows, pixels innermost in both) is computed as
@@ -37,6 +37,9 @@ DOT_COPY = 1 << 14   # floats of B's last columns a product copies (transposed) 
 REALIGN_COPY = 1 << 15
 #: row blocks of A that must read a realigned copy of B for the copy to pay
 REALIGN_ROW_BLOCKS = 4
+#: bytes: rows a multiple of this apart fall in the same two sets of the first-level cache
+#: (x86's hold 4 KiB a way), so a panel of many of them does not stay there
+ALIASED = 2048
 
 
 def dot_columns(n: int, k: int, lanes: int, trans_a: bool = False) -> int:
@@ -85,19 +88,24 @@ def _block(k: int, most: int, lanes: int) -> int:
 
 
 def realigned(m: int, ldb: int, n: int, tile: tuple[int, int], lanes: int) -> int:
-    """The row length (``n`` rounded up to whole vectors) of the stack copy a product reading
-    B in place makes of it, a block of ``k`` at a time, where B's rows, ``ldb`` floats
-    apart, start off a vector's boundary and its whole vectors span more than one panel of
-    the ``(rows, cols)`` tile, and at least :data:`REALIGN_ROW_BLOCKS` blocks of rows of A
-    read it; else 0. In place, most vector loads of such a B split cache lines and each
-    panel is a strided slice of its rows; on an Intel Xeon (rocketlake) the copy ran a 1x1
-    convolution of a 14x14 image (64 x 196 over 1024) 1.06x faster, a 3x3 one (128 x 196
-    over 2304, gathered windows) 1.23x; one panel wide (a 7x7 image's 49 pixels) it ran
-    0.89-1.03x as fast. Rows too long for :data:`REALIGN_COPY` to hold a vector's worth of
-    them stay in place."""
+    """The row length (``n`` rounded up to whole vectors, and a vector more where that would
+    be a multiple of :data:`ALIASED` bytes) of the stack copy a product reading B in place
+    makes of it, a block of ``k`` at a time, where B's rows, ``ldb`` floats apart, start
+    off a vector's boundary or lie a multiple of :data:`ALIASED` bytes apart, its whole
+    vectors span more than one panel of the ``(rows, cols)`` tile, and at least
+    :data:`REALIGN_ROW_BLOCKS` blocks of rows of A read it; else 0. In place, most vector
+    loads of such a B split cache lines, or a panel's rows evict each other from the
+    first-level cache, and each panel is a strided slice of its rows; on an Intel Xeon
+    (rocketlake) the copy ran a 1x1 convolution of a 14x14 image (64 x 196 over 1024)
+    1.06x faster, a 3x3 one (128 x 196 over 2304, gathered windows) 1.23x, an MLP's input
+    gradient (128 x 128 over 1024, B's rows 4 KiB apart) 2.4x; one panel wide (a 7x7
+    image's 49 pixels) it ran 0.89-1.03x as fast. Rows too long for
+    :data:`REALIGN_COPY` to hold a vector's worth of them stay in place."""
     rows, cols = tile
     width = -(-n // lanes) * lanes
-    if (ldb % lanes == 0 or n // lanes * lanes <= cols or -(-m // rows) < REALIGN_ROW_BLOCKS
+    width += lanes * (4 * width % ALIASED == 0)
+    scattered = ldb % lanes or 4 * ldb % ALIASED == 0
+    if (not scattered or n // lanes * lanes <= cols or -(-m // rows) < REALIGN_ROW_BLOCKS
             or width * lanes > REALIGN_COPY):
         return 0
     return width
@@ -178,8 +186,9 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
     in place are copied transposed to the stack, and each row block's dot products with
     them follow its panels. A ``k_block``: C scaled by ``beta`` (and the bias added) first,
     then all of that per block of ``k``, each adding to C (the last one taking ``max(x, 0)``
-    with ``relu``). B's rows starting off a vector's boundary are copied, a block at a time,
-    to rows of whole vectors on the stack (:func:`realigned`) that the tiles read whole."""
+    with ``relu``). B's rows starting off a vector's boundary, or aliasing in the first-level
+    cache, are copied, a block at a time, to rows of whole vectors on the stack
+    (:func:`realigned`) that the tiles read whole."""
     if g.trans_b:
         emit_dot(b, g, a, bp, c, fma, counted, bias)
         return
