@@ -472,14 +472,14 @@ def test_transposed_a_in_place_is_measured_once_per_machine(monkeypatch, tmp_pat
     import latte.compiler.trials as trials  # noqa: PLC0415
 
     m, n, k = trials.TRANSPOSED_A_TRIAL
-    assert 0 < trials.time_in_place([(m, n, k, m, n, n)], True, (512, 32), 1 << 20, runs=2)[0] < float("inf")
+    assert 0 < trials.time_in_place([(m, n, k, m, n, n, True)], (512, 32), 1 << 20, runs=2)[0] < float("inf")
     monkeypatch.delenv("LATTE_TRANSPOSED_A", raising=False)
     monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
     calls = []
     monkeypatch.setattr(trials, "time_in_place", lambda *args: calls.append(args) or [1.25])
     trials.transposed_a_beats_blas.cache_clear()
     assert pack.transposed_a_in_place((512, 32), 1 << 20) and len(calls) == 1
-    assert calls[0][:2] == ([(m, n, k, m, n, n)], True)
+    assert calls[0][0] == [(m, n, k, m, n, n, True)]
     trials.transposed_a_beats_blas.cache_clear()   # another process: the file answers
     assert pack.transposed_a_in_place((512, 32), 1 << 20) and len(calls) == 1
     assert len(list(tmp_path.glob("transposed-a-speedup-*.json"))) == 1
@@ -501,8 +501,8 @@ def test_trials_time_products_on_aligned_operands(monkeypatch):
         return 1.5
 
     monkeypatch.setattr(trials, "_race", race)
-    assert trials.time_in_place([(64, 200, 96, 96, 200, 200), (32, 100, 50, 50, 100, 100)],
-                                False, (512, 32), 1 << 20) == [1.5, 1.5]
+    assert trials.time_in_place([(64, 200, 96, 96, 200, 200, False),
+                                 (32, 100, 50, 50, 100, 100, True)], (512, 32), 1 << 20) == [1.5, 1.5]
 
 
 def test_large_products_read_in_place_where_the_micro_kernel_wins_here(monkeypatch, tmp_path):
@@ -514,7 +514,7 @@ def test_large_products_read_in_place_where_the_micro_kernel_wins_here(monkeypat
     import latte.compiler.passes.pack as pack  # noqa: PLC0415
     import latte.compiler.trials as trials  # noqa: PLC0415
 
-    ratios = trials.time_in_place([(40, 96, 64, 80, 100, 96), (24, 50, 30, 30, 50, 60)], False,
+    ratios = trials.time_in_place([(40, 96, 64, 80, 100, 96, False), (24, 50, 30, 30, 50, 60, True)],
                                  (512, 32), 1 << 20, runs=2)
     assert len(ratios) == 2 and all(0 < r < float("inf") for r in ratios)
     monkeypatch.delenv("LATTE_IN_PLACE", raising=False)
@@ -538,7 +538,8 @@ def test_large_products_read_in_place_where_the_micro_kernel_wins_here(monkeypat
                         or calls.extend(products) or [speedup[p[:3]] for p in products])
     kernel = Kernel("k", Block((gemm(128, 512, 1024), gemm(512, 98, 512), gemm(64, 896, 27))))
     pack.measure_in_place([kernel], (512, 32), 2 << 20, 32 << 20)   # a net's first compile
-    assert batches == [[(128, 512, 1024, 1024, 1024, 512), (512, 98, 512, 512, 1024, 98)]]
+    assert batches == [[(128, 512, 1024, 1024, 1024, 512, False),
+                        (512, 98, 512, 512, 1024, 98, False)]]
     assert not tiled(gemm(128, 512, 1024)) and tiled(gemm(512, 98, 512))
     assert tiled(gemm(64, 896, 27)) and len(calls) == 2   # 1.5M multiply-adds: no trial
     pack.measure_in_place([kernel], (512, 32), 2 << 20, 32 << 20)   # nothing new to time
@@ -552,6 +553,39 @@ def test_large_products_read_in_place_where_the_micro_kernel_wins_here(monkeypat
     assert not tiled(gemm(512, 98, 512)) and not tiled(gemm(64, 896, 27))
     trials.beats_blas.cache_clear()
 
+
+
+def test_large_products_of_a_transposed_a_are_timed_by_their_shape(monkeypatch, tmp_path):
+    """With A transposed too, a product from MEASURED_FMAS multiply-adds (an MLP's weight
+    gradient, 1024 x 128 over the batch's 128) is timed by its shape and tiled where the
+    micro-kernel won, whatever the transposed-A trial says; a smaller one follows that
+    trial; ``LATTE_TRANSPOSED_A`` decides both without measuring."""
+    import latte.compiler.passes.pack as pack  # noqa: PLC0415
+    import latte.compiler.trials as trials  # noqa: PLC0415
+
+    monkeypatch.delenv("LATTE_TRANSPOSED_A", raising=False)
+    monkeypatch.setenv("LATTE_CACHE_DIR", str(tmp_path))
+    timed = []
+    monkeypatch.setattr(trials, "time_in_place", lambda products, *args: timed.extend(products)
+                        or [2.0 if p[6] and p[:3] == (1024, 128, 128) else 0.5 for p in products])
+    trials.beats_blas.cache_clear()
+    trials.transposed_a_beats_blas.cache_clear()
+
+    def tiled(m, n, k):
+        a, b, c = (Buffer((x,), x, (1 << 20,)) for x in "ABC")
+        g = Gemm(m, n, k, a, Affine(), 1024, True, b, Affine(), 1024, False, c, Affine(), 1024)
+        (h,) = pack.tile_in_place(Kernel("k", Block((g,))), (512, 32), 2 << 20, 32 << 20).body.stmts
+        return bool(h.panel)
+
+    assert tiled(1024, 128, 128) and (1024, 128, 128, 1024, 1024, 1024, True) in timed
+    assert not tiled(128, 64, 128)   # 1M multiply-adds: the transposed-A trial's 0.5
+    assert timed[-1] == (*trials.TRANSPOSED_A_TRIAL, 1152, 196, 196, True)
+    monkeypatch.setenv("LATTE_TRANSPOSED_A", "1")
+    assert tiled(128, 64, 128) and tiled(512, 128, 128)
+    monkeypatch.setenv("LATTE_TRANSPOSED_A", "0")
+    assert not tiled(1024, 128, 128)
+    trials.beats_blas.cache_clear()
+    trials.transposed_a_beats_blas.cache_clear()
 
 
 @pytest.mark.parametrize("ratio", [0.5, 2.0])

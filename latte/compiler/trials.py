@@ -4,7 +4,8 @@ Which of the two runs a product faster flips by shape and by CPU
 (:mod:`latte.compiler.passes.pack` asks where it matters): a product is timed both ways on
 one thread, once per machine (:func:`~latte.compiler.machine.measured`, cached beside the
 peak), and one process keeps one answer; processes that measure at once take the first
-answer written.
+answer written. A product is named by its sizes, its leading dimensions and whether A is
+read transposed: ``(m, n, k, lda, ldb, ldc, trans_a)``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from latte.compiler.jit import compile_jobs, side_by_side, target
 from latte.compiler.machine import measured, one_blas_thread, recorded
 from latte.compiler.microkernel import in_place_tile
 
-IN_PLACE = "in-place-speedup"   # the cache files' prefix for products with A along its rows
+IN_PLACE = "in-place-speedup"   # the cache files' prefix for products timed by their shape
 #: The product timed for a transposed A (m, n, k): a 3x3 convolution's input gradient, its
 #: filters (256 x 1152 stored) read transposed times 196 pixels' gradients
 TRANSPOSED_A_TRIAL = (1152, 196, 256)
@@ -35,10 +36,9 @@ TRANSPOSED_A_TRIAL = (1152, 196, 256)
 
 @functools.lru_cache(maxsize=None)
 def beats_blas(product: tuple, vector: tuple[int, int], l2: int) -> bool:
-    """Does the micro-kernel, reading B in place, run ``product`` (m, n, k and the leading
-    dimensions of A, B and C, A along its rows) faster than BLAS here?"""
-    return measured(_name(product),
-                    lambda: time_in_place([product], False, vector, l2)[0], IN_PLACE) > 1.0
+    """Does the micro-kernel, reading B in place, run ``product`` faster than BLAS here?"""
+    return measured(_name(product), lambda: time_in_place([product], vector, l2)[0],
+                    IN_PLACE) > 1.0
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,7 +47,7 @@ def transposed_a_beats_blas(vector: tuple[int, int], l2: int) -> bool:
     BLAS here (``transposed-a-speedup-<key>.json``)?"""
     m, n, k = TRANSPOSED_A_TRIAL
     return measured(f"transposed-a-speedup kernel {_kernel_revision()}",
-                    lambda: time_in_place([(m, n, k, m, n, n)], True, vector, l2)[0],
+                    lambda: time_in_place([(m, n, k, m, n, n, True)], vector, l2)[0],
                     "transposed-a-speedup") > 1.0
 
 
@@ -55,13 +55,14 @@ def measure(products: list[tuple], vector: tuple[int, int], l2: int) -> None:
     """Time those of ``products`` (as :func:`beats_blas` takes them) this machine has not
     answered yet, in one compiled module (a net's first compile here)."""
     new = [p for p in dict.fromkeys(products) if speedup(p) is None]
-    for product, ratio in zip(new, time_in_place(new, False, vector, l2) if new else []):
+    for product, ratio in zip(new, time_in_place(new, vector, l2) if new else []):
         measured(_name(product), lambda r=ratio: r, IN_PLACE)
 
 
 def key(g: Gemm) -> tuple:
-    """How the trials name ``g``'s product: m, n, k and the leading dimensions of A, B, C."""
-    return g.m, g.n, g.k, g.lda, g.ldb, g.ldc
+    """How the trials name ``g``'s product: m, n, k, the leading dimensions of A, B and C,
+    and whether A is read transposed."""
+    return g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.trans_a
 
 
 def speedup(product: tuple) -> float | None:
@@ -71,8 +72,9 @@ def speedup(product: tuple) -> float | None:
 
 
 def _name(product: tuple) -> str:
-    m, n, k, lda, ldb, ldc = product
-    return f"{IN_PLACE} {m}x{n}x{k} lda={lda} ldb={ldb} ldc={ldc} kernel {_kernel_revision()}"
+    m, n, k, lda, ldb, ldc, trans_a = product
+    a = " A transposed" if trans_a else ""
+    return f"{IN_PLACE} {m}x{n}x{k}{a} lda={lda} ldb={ldb} ldc={ldc} kernel {_kernel_revision()}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,17 +85,17 @@ def _kernel_revision() -> str:
     return hashlib.sha256(sources).hexdigest()[:12]
 
 
-def time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int], l2: int,
+def time_in_place(products: list[tuple], vector: tuple[int, int], l2: int,
                   budget: float = 0.02, runs: int = 15) -> list[float]:
-    """Per product (m, n, k and the leading dimensions of A, B and C; B read in place along
-    its rows), BLAS's time over the micro-kernel's on one thread: the best of up to ``runs``
+    """Per product (as :func:`key` names it; B read in place along its rows), BLAS's time
+    over the micro-kernel's on one thread: the best of up to ``runs``
     runs each (the first of each warms up), taken in turns, fewer where they pass
     ``budget`` seconds; the products dealt out to the cores, each timed on one. The
     micro-kernels are compiled as a program is, in modules built and compiled side by side,
     one per core."""
     lanes = vector[0] // 32
     gemms = []
-    for i, (m, n, k, lda, ldb, ldc) in enumerate(products):
+    for i, (m, n, k, lda, ldb, ldc, trans_a) in enumerate(products):
         bufs = [Buffer((x, i), x, (size,)) for x, size in
                 zip("ABC", ((k if trans_a else m) * lda, k * ldb, m * ldc))]
         rows, cols, block = in_place_tile(m, n, k, lanes, vector[1], l2 // 2, trans_a, ldb)
@@ -109,7 +111,7 @@ def time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int],
             builder.add_segment(f"trial{i}", [Kernel(f"trial{i}", Block((g,)))])
         return str(builder.module)
 
-    made_of = hashlib.sha256(repr((products, trans_a, vector, l2, compiler_digest())).encode())
+    made_of = hashlib.sha256(repr((products, vector, l2, compiler_digest())).encode())
     library = target().library(made_of.hexdigest(), lambda parts: [
         lambda part=part: module(range(part, len(gemms), parts))
         for part in range(min(parts, len(gemms)))])
@@ -118,7 +120,7 @@ def time_in_place(products: list[tuple], trans_a: bool, vector: tuple[int, int],
         ratios = []
         with one_blas_thread() as sgemm:
             for i in share:
-                (m, n, k, lda, ldb, ldc), g = products[i], gemms[i]
+                (m, n, k, lda, ldb, ldc, trans_a), g = products[i], gemms[i]
                 a, b, c = (_operand(buf.size) for buf in (g.a_buf, g.b_buf, g.c_buf))
                 table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
                 tiled = functools.partial(

@@ -142,28 +142,30 @@ def measure_in_place(kernels: list[Kernel], vector: tuple[int, int], l2: int, sh
 
 
 def in_place_pays(g: Gemm, vector: tuple[int, int], l2: int) -> bool:
-    """Does the micro-kernel, reading ``g``'s B in place, beat BLAS on this machine? A small
-    product: yes (BLAS packs both operands at every call). A transposed A:
-    :func:`transposed_a_in_place`. From :data:`MEASURED_FMAS` multiply-adds, each shape
-    (sizes and leading dimensions) is timed once per machine on one thread, both ways, on
-    operands aligned as a program's buffers are (:func:`~latte.compiler.trials.beats_blas`,
-    ``in-place-speedup-<key>.json``): on an Intel Xeon (rocketlake) the micro-kernel ran
-    a 1x1 convolution of ResNet-50 at batch 1 (64 x 784 over 256, B's rows 12 KiB apart) at
+    """Does the micro-kernel, reading ``g``'s B in place, beat BLAS on this machine? From
+    :data:`MEASURED_FMAS` multiply-adds, each shape (sizes, leading dimensions, A along its
+    rows or transposed) is timed once per machine on one thread, both ways, on operands
+    aligned as a program's buffers are (:func:`~latte.compiler.trials.beats_blas`,
+    ``in-place-speedup-<key>.json``): on an Intel Xeon (rocketlake) the micro-kernel ran a
+    1x1 convolution of ResNet-50 at batch 1 (64 x 784 over 256, B's rows 12 KiB apart) at
     1.14x of BLAS's speed and a 3x3 convolution's im2col product (128 x 196 over 2304) at
-    0.95x (``latte explain`` prints each ratio). ``LATTE_IN_PLACE=0``/``1`` decides those
-    with A along its rows without measuring."""
+    0.95x, an MLP's weight gradient (1024 x 128 over 128, A transposed) at 1.16x, a 3x3
+    convolution's input gradient (:data:`~latte.compiler.trials.TRANSPOSED_A_TRIAL`) at 0.98x
+    (``latte explain`` prints each ratio). A smaller product: yes (BLAS packs both operands
+    at every call), or with A transposed, :func:`transposed_a_in_place`. ``LATTE_IN_PLACE``
+    and ``LATTE_TRANSPOSED_A`` ``=0``/``1`` decide those with A along its rows and
+    transposed without measuring."""
+    if timed(g):
+        return trials.beats_blas(trials.key(g), vector, l2)
     if g.trans_a:
         return transposed_a_in_place(vector, l2)
-    forced = os.environ.get("LATTE_IN_PLACE")
-    if forced in ("0", "1"):
-        return forced == "1"
-    return not timed(g) or trials.beats_blas(trials.key(g), vector, l2)
+    return os.environ.get("LATTE_IN_PLACE") != "0"
 
 
 def timed(g: Gemm) -> bool:
-    """Is ``g``'s product (A along its rows) one :func:`in_place_pays` times on the machine?"""
-    return (not g.trans_a and g.m * g.n * g.k >= MEASURED_FMAS
-            and os.environ.get("LATTE_IN_PLACE") not in ("0", "1"))
+    """Is ``g``'s product one :func:`in_place_pays` times on the machine?"""
+    forced = os.environ.get("LATTE_TRANSPOSED_A" if g.trans_a else "LATTE_IN_PLACE")
+    return g.m * g.n * g.k >= MEASURED_FMAS and forced not in ("0", "1")
 
 
 def transposed_a_in_place(vector: tuple[int, int], l2: int) -> bool:
@@ -171,8 +173,9 @@ def transposed_a_in_place(vector: tuple[int, int], l2: int) -> bool:
     floats on, a page apart in a convolution's input gradient) on this machine? It did on
     an AMD EPYC (znver4), and ran ResNet-18's and ResNet-50's training steps 5% and 6%
     slower than BLAS on an Intel Xeon (emeraldrapids), so it is measured once per machine
-    (:func:`~latte.compiler.trials.transposed_a_beats_blas`). ``LATTE_TRANSPOSED_A=0``/``1``
-    decides without measuring."""
+    (:func:`~latte.compiler.trials.transposed_a_beats_blas`) for the products too small to be
+    timed by their shape (:func:`in_place_pays`). ``LATTE_TRANSPOSED_A=0``/``1`` decides
+    without measuring."""
     forced = os.environ.get("LATTE_TRANSPOSED_A")
     if forced in ("0", "1"):
         return forced == "1"
