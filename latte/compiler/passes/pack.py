@@ -149,7 +149,7 @@ def in_place_pays(g: Gemm, vector: tuple[int, int], l2: int) -> bool:
     ``in-place-speedup-<key>.json``): on an Intel Xeon (rocketlake) the micro-kernel ran a
     1x1 convolution of ResNet-50 at batch 1 (64 x 784 over 256, B's rows 12 KiB apart) at
     1.14x of BLAS's speed and a 3x3 convolution's im2col product (128 x 196 over 2304) at
-    0.95x, an MLP's weight gradient (1024 x 128 over 128, A transposed) at 1.16x, a 3x3
+    0.95x, an MLP's weight gradient (1024 x 128 over 128, A transposed) at 1.12x, a 3x3
     convolution's input gradient (:data:`~latte.compiler.trials.TRANSPOSED_A_TRIAL`) at 0.98x
     (``latte explain`` prints each ratio). A smaller product: yes (BLAS packs both operands
     at every call), or with A transposed, :func:`transposed_a_in_place`. ``LATTE_IN_PLACE``
