@@ -6,6 +6,7 @@ against level 0, and a convolution's window tiles multiplied in place."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from latte.compiler.microkernel import (
     tile,
 )
 from latte.compiler.passes.pack import _dot
+from latte.compiler.printer import fmt_stmt
 from latte.stdlib import FullyConnectedLayer, LSTMLayer, MemoryDataLayer, SoftmaxLossLayer
 
 
@@ -130,6 +132,12 @@ def test_b_in_place_off_vector_boundaries_is_copied_to_realigned_rows():
     # a 3x3 one over 4608 window elements: the panel sized for the copy's blocks of 144
     assert in_place_tile(64, 196, 4608, 16, 32, 1 << 20)[1:] == (80, 144)
     assert in_place_tile(64, 196, 4608, 16, 32, 1 << 20, ldb=208)[1] == 48
+    # latte explain names the copy
+    a, b, c = (Buffer((x,), x, (1 << 20,)) for x in "ABC")
+    g = Gemm(64, 196, 1024, a, Affine(), 1024, False, b, Affine(), 196, False, c, Affine(), 196,
+             panel=(5, 80, 16), packed=False, k_block=128)
+    assert "ldb=196, copied to rows of 208 (k in blocks of 128)" in fmt_stmt(g)[0]
+    assert "copied" not in fmt_stmt(replace(g, ldb=208))[0]
 
 
 def test_a_large_b_in_place_runs_in_blocks_of_k_that_stay_in_cache():

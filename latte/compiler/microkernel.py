@@ -111,6 +111,15 @@ def realigned(m: int, ldb: int, n: int, tile: tuple[int, int], lanes: int) -> in
     return width
 
 
+def copied_rows(g) -> int:
+    """The row length of the copy :func:`emit` makes of the tiled product ``g``'s B, a block
+    of ``k`` at a time (:func:`realigned`), or 0 where it reads B as it is."""
+    if g.packed or g.trans_b:
+        return 0
+    width = realigned(g.m, g.ldb, g.n, g.panel[:2], g.panel[2])
+    return width if width * (g.k_block or g.k) <= REALIGN_COPY else 0
+
+
 def tile(m: int, n: int, k: int, lanes: int, registers: int, panel_bytes: int,
          in_place: bool = False, trans_a: bool = False) -> tuple[int, int] | None:
     """``(rows, cols)`` of the register tile for an ``m x n`` product over ``k``:
@@ -198,9 +207,9 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
     if dots:
         copy = b.alloca(F32, size=_i64(dots * step))
         copy.align = 64
-    width = 0 if g.packed else realigned(g.m, g.ldb, g.n, g.panel[:2], g.panel[2])
+    width = copied_rows(g)
     aligned = None
-    if width and step * width <= REALIGN_COPY:
+    if width:
         aligned = b.alloca(F32, size=_i64(step * width))
         aligned.align = 64
 

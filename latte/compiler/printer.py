@@ -23,6 +23,7 @@ from latte.compiler.ir import (
     UnaryOp,
     Var,
 )
+from latte.compiler.microkernel import copied_rows
 
 
 def fmt_expr(e) -> str:
@@ -95,7 +96,9 @@ def fmt_stmt(s, indent: int = 0) -> list[str]:
             rows, cols, lanes = s.panel
             shape = f"{rows}x{cols} dot products" if s.trans_b else f"{rows}x{cols} tiles"
             call, ta = f"tiled_gemm({shape} of {lanes}-float vectors, ", ta + tb * s.trans_b
-            b = "packed" if s.packed else b + (f" (k in blocks of {s.k_block})" if s.k_block else "")
+            copied = copied_rows(s)
+            b = "packed" if s.packed else b + (f", copied to rows of {copied}" if copied else "") \
+                + (f" (k in blocks of {s.k_block})" if s.k_block else "")
         else:
             call, ta = "sgemm(", ta + tb
         bias = "" if s.bias_buf is None else (f", + {s.bias_buf.name}[{fmt_expr(s.bias_off)}:] per "
