@@ -33,7 +33,7 @@ F32, I64 = ir.FloatType(), ir.IntType(64)
 MAX_ROWS = 8   # more rows of A broadcast per step outrun the first-level cache's streams
 DOT_COPY = 1 << 14   # floats of B's last columns a product copies (transposed) onto the stack
 #: floats of B a product copies onto the stack, rows realigned to whole vectors, where B's
-#: rows in place split cache lines (:func:`realigned`)
+#: rows in place split cache lines or alias in the first-level cache (:func:`realigned`)
 REALIGN_COPY = 1 << 15
 #: row blocks of A that must read a realigned copy of B for the copy to pay
 REALIGN_ROW_BLOCKS = 4
@@ -97,10 +97,11 @@ def realigned(m: int, ldb: int, n: int, tile: tuple[int, int], lanes: int) -> in
     loads of such a B split cache lines, or a panel's rows evict each other from the
     first-level cache, and each panel is a strided slice of its rows; on an Intel Xeon
     (rocketlake) the copy ran a 1x1 convolution of a 14x14 image (64 x 196 over 1024)
-    1.06x faster, a 3x3 one (128 x 196 over 2304, gathered windows) 1.23x, an MLP's input
-    gradient (128 x 128 over 1024, B's rows 4 KiB apart) 2.4x; one panel wide (a 7x7
-    image's 49 pixels) it ran 0.89-1.03x as fast. Rows too long for
-    :data:`REALIGN_COPY` to hold a vector's worth of them stay in place."""
+    1.04-1.06x faster, a 3x3 one (128 x 196 over 2304, gathered windows) 1.18x, an MLP's
+    input gradient (128 x 128 over 1024, B's rows 4 KiB apart) 2.5x
+    (``benchmarks/products.py``); one panel wide (a 7x7 image's 49 pixels) it gained
+    nothing and cost the copy, so such rows stay in place, as do rows too long for
+    :data:`REALIGN_COPY` to hold a vector's worth of them."""
     rows, cols = tile
     width = -(-n // lanes) * lanes
     width += lanes * (4 * width % ALIASED == 0)

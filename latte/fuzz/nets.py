@@ -347,6 +347,23 @@ def _add_row_tiles(rng, net, prefix: str, case: Case, ens: list, readers: dict) 
     ens.append(top)
 
 
+def _add_copied_rows(rng, net, prefix: str, case: Case, ens: list, readers: dict) -> None:
+    """In a sixth of the cases: an input of 2-3 channels (Winograd takes none), 10x10 or
+    9x11 (windows' rows off a vector's boundary) or 2x512 (tiles of a row, 2 KiB), and a 3x3
+    convolution into 64 channels (each thread's product has rows of A for 4 row blocks):
+    the micro-kernel copies its window matrix to realigned rows a block of ``k`` at a time
+    (:func:`~latte.compiler.microkernel.realigned`). Drawn from a stream of its own: the
+    case's other ensembles stay as they were."""
+    if rng.random() >= 1 / 6:
+        return
+    rows, cols = [(10, 10), (9, 11), (2, 512)][int(rng.integers(3))]
+    src = MemoryDataLayer(net, f"{prefix}copied", (int(rng.integers(2, 4)), rows, cols))
+    case.inputs.append(src)
+    top = ConvolutionLayer(f"{prefix}c3x3", net, src, 64, 3, pad=1)
+    readers[src.name], readers[top.name] = 1, 0
+    ens.append(top)
+
+
 def _add_embedding(rng, net, prefix: str, case: Case, ens: list, readers: dict) -> None:
     """In a fifth of the cases: a table lookup (vocabularies across the lookup's blocks of
     16 rows) over an input of ids, fed as class indices are. Drawn from a stream of its own:
@@ -413,6 +430,7 @@ def build_case(net, seed: int, loss: Callable | None = None, derived: float = 0.
     _add_embedding(np.random.default_rng([seed, 17]), net, p, case, ens, readers)
     _add_small_windows(np.random.default_rng([seed, 19]), net, p, case, ens, readers)
     _add_row_tiles(np.random.default_rng([seed, 23]), net, p, case, ens, readers)
+    _add_copied_rows(np.random.default_rng([seed, 29]), net, p, case, ens, readers)
     sinks = [e for e in ens if readers[e.name] == 0 and e.name not in sealed
              and not isinstance(e, DataEnsemble)]
     for j, e in enumerate(sinks):

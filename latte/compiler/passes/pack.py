@@ -150,7 +150,8 @@ def in_place_pays(g: Gemm, vector: tuple[int, int], l2: int) -> bool:
     1x1 convolution of ResNet-50 at batch 1 (64 x 784 over 256, B's rows 12 KiB apart) at
     1.14x of BLAS's speed and a 3x3 convolution's im2col product (128 x 196 over 2304) at
     0.95x, an MLP's weight gradient (1024 x 128 over 128, A transposed) at 1.12x, a 3x3
-    convolution's input gradient (:data:`~latte.compiler.trials.TRANSPOSED_A_TRIAL`) at 0.98x
+    convolution's input gradient (:data:`~latte.compiler.trials.TRANSPOSED_A_TRIAL`) at
+    0.92-0.96x (``transposed-a-speedup-*.json``)
     (``latte explain`` prints each ratio). A smaller product: yes (BLAS packs both operands
     at every call), or with A transposed, :func:`transposed_a_in_place`. ``LATTE_IN_PLACE``
     and ``LATTE_TRANSPOSED_A`` ``=0``/``1`` decide those with A along its rows and
