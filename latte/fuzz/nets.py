@@ -350,7 +350,7 @@ def _add_row_tiles(rng, net, prefix: str, case: Case, ens: list, readers: dict) 
 def _add_copied_rows(rng, net, prefix: str, case: Case, ens: list, readers: dict) -> None:
     """In a sixth of the cases: an input of 2-3 channels (Winograd takes none), 10x10 or
     9x11 (windows' rows off a vector's boundary) or 2x512 (tiles of a row, 2 KiB), and a 3x3
-    convolution into 64 channels (each thread's product has rows of A for 4 row blocks):
+    convolution into 32 channels (rows of A for 4 row blocks and more):
     the micro-kernel copies its window matrix to realigned rows a block of ``k`` at a time
     (:func:`~latte.compiler.microkernel.realigned`). Drawn from a stream of its own: the
     case's other ensembles stay as they were."""
@@ -359,7 +359,7 @@ def _add_copied_rows(rng, net, prefix: str, case: Case, ens: list, readers: dict
     rows, cols = [(10, 10), (9, 11), (2, 512)][int(rng.integers(3))]
     src = MemoryDataLayer(net, f"{prefix}copied", (int(rng.integers(2, 4)), rows, cols))
     case.inputs.append(src)
-    top = ConvolutionLayer(f"{prefix}c3x3", net, src, 64, 3, pad=1)
+    top = ConvolutionLayer(f"{prefix}c3x3", net, src, 32, 3, pad=1)
     readers[src.name], readers[top.name] = 1, 0
     ens.append(top)
 
