@@ -497,19 +497,22 @@ def test_transposed_a_in_place_is_measured_once_per_machine(monkeypatch, tmp_pat
 def test_trials_time_products_on_aligned_operands(monkeypatch):
     """The trials hand BLAS and the micro-kernel operands that start on a 64-byte line, as a
     program's buffers do (numpy's own arrays start 16 bytes past one, where the
-    micro-kernel's vectors split lines: it lost products to BLAS that it wins aligned)."""
+    micro-kernel's vectors split lines: it lost products to BLAS that it wins aligned),
+    holding 0.5 where the product reads and zeros (untouched pages) between its rows."""
     import latte.compiler.trials as trials  # noqa: PLC0415
 
     def race(blas, tiled, budget, runs):
         pointers = [blas.args[i] for i in (7, 9, 12)]
         assert all(p % 64 == 0 for p in pointers), pointers
-        assert np.ctypeslib.as_array(ctypes.cast(pointers[1], ctypes.POINTER(ctypes.c_float)),
-                                     (4,)).tolist() == [0.5] * 4
+        n, k, ldb = blas.args[4], blas.args[5], blas.args[10]
+        b = np.ctypeslib.as_array(ctypes.cast(pointers[1], ctypes.POINTER(ctypes.c_float)),
+                                  (k * ldb,)).reshape(k, ldb)
+        assert (b[:, :n] == 0.5).all() and (b[:, n:] == 0).all()
         tiled()
         return 1.5
 
     monkeypatch.setattr(trials, "_race", race)
-    assert trials.time_in_place([(64, 200, 96, 96, 200, 200, False),
+    assert trials.time_in_place([(64, 200, 96, 96, 264, 200, False),
                                  (32, 100, 50, 50, 100, 100, True)], (512, 32), 1 << 20) == [1.5, 1.5]
 
 

@@ -16,6 +16,7 @@ from latte.compiler.explain import explain_program
 from latte.compiler.ir import (
     TID,
     Affine,
+    Assign,
     AugAssign,
     Block,
     Buffer,
@@ -243,6 +244,38 @@ def _counted(n: int, per_thread: bool, calls: int) -> tuple[np.ndarray, str]:
     for _ in range(calls):
         run(ctypes.addressof(table))
     return out, str(mb.module)
+
+
+def test_loops_storing_zeros_to_consecutive_elements_become_memsets():
+    """A loop storing 0.0 to consecutive elements (a gradient's zeroing, a sum's start)
+    is one ``memset`` (in a parallel loop, one per thread's chunk), from the element its
+    first iteration stores; a strided one, or one storing -0.0, stays a loop."""
+    rows, row = Buffer(("rows",), "rows", (3, 40)), Buffer(("flat",), "flat", (120,))
+    strided, signed = Buffer(("strided",), "strided", (20,)), Buffer(("signed",), "signed", (4,))
+
+    def store(buf, offset, value=0.0):
+        return Block((Assign(Ref(buf, (offset,), (buf.size,)), Const(value)),))
+
+    body = Block((
+        Loop("r", 0, 3, Block((Loop("j", 5, 37, store(rows, Affine.build({"r": 40, "j": 1}, 0))),))),
+        parallel(Loop("i", 0, 100, store(row, Affine.build({"i": 1}, 7))), 1),
+        Loop("s", 0, 10, store(strided, Affine.build({"s": 2}, 0))),
+        Loop("z", 0, 4, store(signed, Affine.of("z"), -0.0))))
+    bufs = (rows, row, strided, signed)
+    mb = ModuleBuilder({b: i for i, b in enumerate(bufs)}, threads=2)
+    mb.add_segment("seg", [Kernel("zeros", body)])
+    code = str(mb.module)
+    assert code.count("call void @\"llvm.memset.p0i8.i64\"") == 2
+    lib = target().compile(code)
+    out = [np.ones(b.shape, np.float32) for b in bufs]
+    table = (ctypes.c_void_p * 4)(*(x.ctypes.data for x in out))
+    ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lib.address("seg"))(ctypes.addressof(table))
+    want = [np.ones(b.shape, np.float32) for b in bufs]
+    want[0][:, 5:37] = want[1][7:107] = want[2][::2] = 0.0
+    want[3][:] = -0.0
+    for got, expected in zip(out, want):
+        np.testing.assert_array_equal(got, expected)
+    assert np.signbit(out[3]).all()
 
 
 def test_threads_steal_iterations_each_runs_once():

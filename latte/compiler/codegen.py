@@ -6,7 +6,8 @@ function ``void seg(ptr* buffers)`` that loads the pointers from the runtime's b
 and calls its kernels. Kernels that differ only in the buffers they touch (VGG's repeated
 3x3 convolutions, ResNet's repeated blocks) share one function (which LLVM's inliner may
 still copy into its callers). Float arithmetic carries ``reassoc contract`` so that
-reductions vectorize.
+reductions vectorize. A loop storing zeros to consecutive elements is one ``memset`` (LLVM
+would find it too, after its loop passes had gone through every such loop).
 
 With ``LATTE_CHECK_BOUNDS=1`` every load, store and GEMM operand block is checked against
 its buffer: at compile time where its offset is affine and lies inside the buffer for every
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 
 from llvmlite import ir
@@ -240,6 +242,19 @@ def check_bounds() -> bool:
     return os.environ.get("LATTE_CHECK_BOUNDS", "") not in ("", "0")
 
 
+def _zeroed(s: Loop) -> Ref | None:
+    """The ref that ``s`` fills with zeros, one element per iteration, consecutive
+    (``for v in range(...): ref[... + v] = 0.0``), or None."""
+    if len(s.body.stmts) != 1:
+        return None
+    st = s.body.stmts[0]
+    if not (isinstance(st, Assign) and isinstance(st.target, Ref) and isinstance(st.value, Const)
+            and st.value.value == 0 and math.copysign(1.0, st.value.value) > 0):
+        return None
+    offset = st.target.offset()
+    return st.target if offset is not None and offset.coef(s.var) == 1 else None
+
+
 def _mangle(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
 
@@ -302,10 +317,27 @@ class _KernelEmitter:
         if s.kind is LoopKind.PARALLEL and self.mb.threads > 1:
             self.parallel(s)
             return
+        zeroed = None if self.mb.check_bounds else _zeroed(s)
+        if zeroed is not None:
+            self.zero(zeroed, s.var, ir.Constant(I64, s.start), ir.Constant(I64, s.stop))
+            return
         self.ranges[s.var] = (s.start, s.stop - 1)
         self.counted(s.var, ir.Constant(I64, s.start), ir.Constant(I64, s.stop),
                      lambda iv: self.block(s.body))
         del self.ranges[s.var]
+
+    def zero(self, ref: Ref, var: str, lo: ir.Value, hi: ir.Value) -> None:
+        """``ref = 0`` for ``var`` from ``lo`` to ``hi`` (:func:`_zeroed`) as one ``memset``:
+        LLVM would find it in the loop, after putting every such loop through its loop
+        passes (a net's gradient zeroing holds hundreds)."""
+        self.loop_vars[var] = lo
+        first = self.pointer(ref, self.flat_index(ref))
+        del self.loop_vars[var]
+        size = self.b.mul(self.b.sub(hi, lo), ir.Constant(I64, 4))   # float32 or int32
+        memset = self.mb.declare("llvm.memset.p0i8.i64", ir.VoidType(),
+                                 [I8P, ir.IntType(8), I64, I1])
+        self.b.call(memset, [self.b.bitcast(first, I8P), ir.Constant(ir.IntType(8), 0), size,
+                             ir.Constant(I1, 0)])
 
     def counted(self, name: str, lo: ir.Value, hi: ir.Value, body) -> None:
         """``for name in range(lo, hi): body(iv)`` with ``name`` bound to ``iv`` inside."""
@@ -363,7 +395,12 @@ class _KernelEmitter:
                 flat = inner.b.udiv(flat, ext)
             inner.block(loops[-1].body)
 
-        inner.counted(f"{s.var}.flat", ints[-3], ints[-2], one)
+        zeroed = None if mb.check_bounds or len(loops) > 1 else _zeroed(s)
+        if zeroed is not None:
+            start = ir.Constant(I64, s.start)
+            inner.zero(zeroed, s.var, inner.b.add(ints[-3], start), inner.b.add(ints[-2], start))
+        else:
+            inner.counted(f"{s.var}.flat", ints[-3], ints[-2], one)
         inner.b.ret_void()
         # the trampoline GOMP calls on each thread: unpack the context, run this thread's chunk
         tramp = ir.Function(mb.module, ir.FunctionType(ir.VoidType(), [I8P]), name + "_omp")
