@@ -104,7 +104,9 @@ def ArrayDataLayer(net, train, test=None, shuffle: bool = True, *, transform=Non
     ``(N, *shape)``. ``transform`` (a :class:`~latte.stdlib.transforms.Transform` or one
     step) is applied to every batch; the data ensemble has its output shape. With
     ``prefetch`` the next batch is read on a background thread while the current one
-    computes (the batches are the same without it).
+    computes (the batches are the same without it); without a transform (and in a net
+    without time steps) the samples are gathered straight into the data buffer instead,
+    as reading them ahead would copy them twice (:mod:`latte.stdlib.sources`).
     """
     sets = {Phase.TRAIN: _array_pair(train, "ArrayDataLayer train")}
     if test is not None:

@@ -204,7 +204,8 @@ def _write(path, x, y):
 
 
 def test_hdf5_file_list_with_caffe_labels_equals_the_arrays(tmp_path):
-    """Two files with ``(N, 1)`` labels, shuffled: the same batches as one array."""
+    """Two files with ``(N, 1)`` labels, shuffled: the same batches as one array (the array
+    gathered straight into the data buffer, the files read ahead on a thread)."""
     rng = np.random.default_rng(4)
     X = rng.standard_normal((11, 2, 3)).astype(np.float32)
     y = rng.integers(0, 3, 11)
@@ -223,6 +224,7 @@ def test_hdf5_file_list_with_caffe_labels_equals_the_arrays(tmp_path):
         np.testing.assert_array_equal(nets[0][0].value(nets[0][1]), h5.value(data))
         np.testing.assert_array_equal(nets[0][0].value(nets[0][2]), h5.value(label))
         assert set(h5.value(label)[:, 0]) <= {0.0, 1.0, 2.0}
+    assert nets[0][1].source._pool is None and data.source._pool is not None
     h5.forward(Phase.TEST)
     np.testing.assert_array_equal(h5.value(data), X[6:10])
 
