@@ -8,8 +8,7 @@ generator (seeded from the net's seed): the batches are the same, in the same or
 or without the thread. Samples held in memory that no transform changes are gathered
 straight into the data ensemble's buffer instead, on the main thread: read ahead, they
 would be copied twice (once on the thread, once into the buffer), and the thread's copy
-would take a core from the compute threads (an MLP's training step at batch 128, 2 threads:
-2% slower with it).
+would take a core from the compute threads while they run.
 
 Training batches follow a permutation of the set (with ``shuffle``), redrawn every epoch;
 test batches walk the set in order. An epoch is ``ceil(n / batch)`` batches, the last one
