@@ -39,30 +39,17 @@ def _product(text: str) -> tuple:
 
 def _library(products: list[tuple], copies: bool):
     """The products' tiled functions, ``trial0``..., compiled with or without the copy."""
-    from latte.compiler import microkernel
-    from latte.compiler.codegen import ModuleBuilder
-    from latte.compiler.ir import Affine, Block, Buffer, Gemm, Kernel
+    from latte.compiler import microkernel, trials
     from latte.compiler.jit import target
     from latte.compiler.machine import cache_sizes, vector_registers
 
-    bits, registers = vector_registers()
-    lanes, l2 = bits // 32, cache_sizes()[2]
     realigned = microkernel.realigned
     if not copies:
         microkernel.realigned = lambda *args: 0
     try:
-        builder, gemms = ModuleBuilder({}), []
-        for i, (m, n, k, lda, ldb, ldc, trans_a) in enumerate(products):
-            a, b, c = (Buffer((x, i), x, (size,)) for x, size in
-                       zip("ABC", ((k if trans_a else m) * lda, k * ldb, m * ldc)))
-            rows, cols, block = microkernel.in_place_tile(m, n, k, lanes, registers, l2 // 2,
-                                                          trans_a, ldb)
-            g = Gemm(m, n, k, a, Affine(), lda, trans_a, b, Affine(), ldb, False, c, Affine(),
-                     ldc, beta=0.0, panel=(rows, cols, lanes), packed=False, k_block=block)
-            builder.buffer_index.update({a: 0, b: 1, c: 2})
-            builder.add_segment(f"trial{i}", [Kernel(f"trial{i}", Block((g,)))])
-            gemms.append(g)
-        text = str(builder.module)
+        gemms = [trials.tiled_gemm(p, i, vector_registers(), cache_sizes()[2])
+                 for i, p in enumerate(products)]
+        text = trials.trial_module(gemms, range(len(gemms)))
     finally:
         microkernel.realigned = realigned
     lib = target().library(hashlib.sha256(text.encode()).hexdigest(), lambda parts: [lambda: text])
@@ -74,20 +61,17 @@ def main() -> None:
     ap.add_argument("products", nargs="*", default=DEFAULT)
     ap.add_argument("--repeat", type=int, default=300)
     args = ap.parse_args()
-    import numpy as np
-
-    from latte.aligned import aligned_zeros
     from latte.compiler.machine import one_blas_thread
     from latte.compiler.microkernel import copied_rows
+    from latte.compiler.trials import blas_call, operands
 
     products = [_product(p) for p in args.products]
     (plain, _), (copied, gemms) = _library(products, False), _library(products, True)
     rows = []
     with one_blas_thread() as sgemm:
-        for i, ((m, n, k, lda, ldb, ldc, trans_a), g) in enumerate(zip(products, gemms)):
-            a, b, c = (aligned_zeros((buf.size,), np.float32) for buf in (g.a_buf, g.b_buf, g.c_buf))
-            for x in (a, b, c):   # 64-byte aligned, as a program's buffers are
-                x[...] = 0.5
+        for i, (product, g) in enumerate(zip(products, gemms)):
+            m, n, k, lda, ldb, ldc, trans_a = product
+            a, b, c = operands(product)   # 64-byte aligned, as a program's buffers are
             table_ = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
             call = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
             runs = {
@@ -95,9 +79,7 @@ def main() -> None:
                                               ctypes.addressof(table_)),
                 "copied": functools.partial(call(copied.address(f"trial{i}")),
                                             ctypes.addressof(table_)),
-                "blas": functools.partial(sgemm, 101, 112 if trans_a else 111, 111, m, n, k,
-                                          1.0, a.ctypes.data, lda, b.ctypes.data, ldb, 0.0,
-                                          c.ctypes.data, ldc)}
+                "blas": blas_call(sgemm, product, a, b, c)}
             times: dict = {name: [] for name in runs}
             for _ in range(args.repeat + 2):   # two warm-up turns
                 for name, fn in runs.items():

@@ -62,12 +62,10 @@ class Rows:
         return len(self.parts) == 1 and isinstance(self.parts[0], np.ndarray)
 
     def take(self, idx: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """The samples ``idx``, in order (into ``out``, if given: in memory, one gather)."""
+        """The samples ``idx``, in order (in memory, gathered into ``out`` if given)."""
         if self.in_memory:   # "clip" (the indices are valid): numpy buffers "raise"'s out
             return np.take(self.parts[0], idx, axis=0, out=out, mode="clip")
-        if out is not None:
-            out[...] = self.take(idx)
-            return out
+        assert out is None, "HDF5 rows are read into arrays of their own"
         # HDF5 reads want increasing, distinct indices within each file
         uniq, inverse = np.unique(idx, return_inverse=True)
         starts = np.concatenate([[0], self.ends[:-1]])

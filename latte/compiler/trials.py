@@ -93,44 +93,22 @@ def time_in_place(products: list[tuple], vector: tuple[int, int], l2: int,
     ``budget`` seconds; the products dealt out to the cores, each timed on one. The
     micro-kernels are compiled as a program is, in modules built and compiled side by side,
     one per core."""
-    lanes = vector[0] // 32
-    gemms = []
-    for i, (m, n, k, lda, ldb, ldc, trans_a) in enumerate(products):
-        bufs = [Buffer((x, i), x, (size,)) for x, size in
-                zip("ABC", ((k if trans_a else m) * lda, k * ldb, m * ldc))]
-        rows, cols, block = in_place_tile(m, n, k, lanes, vector[1], l2 // 2, trans_a, ldb)
-        gemms.append(Gemm(m, n, k, bufs[0], Affine(), lda, trans_a, bufs[1], Affine(), ldb,
-                          False, bufs[2], Affine(), ldc, beta=0.0, panel=(rows, cols, lanes),
-                          packed=False, k_block=block))
-
-    def module(trials: range) -> str:
-        builder = ModuleBuilder({})
-        for i in trials:
-            g = gemms[i]
-            builder.buffer_index.update({g.a_buf: 0, g.b_buf: 1, g.c_buf: 2})
-            builder.add_segment(f"trial{i}", [Kernel(f"trial{i}", Block((g,)))])
-        return str(builder.module)
-
+    gemms = [tiled_gemm(product, i, vector, l2) for i, product in enumerate(products)]
     made_of = hashlib.sha256(repr((products, vector, l2, compiler_digest())).encode())
     library = target().library(made_of.hexdigest(), lambda parts: [
-        lambda part=part: module(range(part, len(gemms), parts))
+        lambda part=part: trial_module(gemms, range(part, len(gemms), parts))
         for part in range(min(parts, len(gemms)))])
 
     def race(share: range) -> bytes:
         ratios = []
         with one_blas_thread() as sgemm:
             for i in share:
-                m, n, k, lda, ldb, ldc, trans_a = products[i]
-                a, b, c = (_operand(*block) for block in (
-                    ((k, m, lda) if trans_a else (m, k, lda)), (k, n, ldb), (m, n, ldc)))
+                a, b, c = operands(products[i])
                 table = (ctypes.c_void_p * 3)(*(x.ctypes.data for x in (a, b, c)))
                 tiled = functools.partial(
                     ctypes.CFUNCTYPE(None, ctypes.c_void_p)(library.address(f"trial{i}")),
                     ctypes.addressof(table))
-                blas = functools.partial(sgemm, 101, 112 if trans_a else 111, 111, m, n, k, 1.0,
-                                         a.ctypes.data, lda, b.ctypes.data, ldb, 0.0,
-                                         c.ctypes.data, ldc)
-                ratios.append(_race(blas, tiled, budget, runs))
+                ratios.append(_race(blas_call(sgemm, products[i], a, b, c), tiled, budget, runs))
         return np.array(ratios, np.float64).tobytes()
 
     # the products dealt out to the cores, each process timing its own on one thread
@@ -141,6 +119,44 @@ def time_in_place(products: list[tuple], vector: tuple[int, int], l2: int,
         for i, ratio in zip(share, np.frombuffer(data, np.float64)):
             out[i] = float(ratio)
     return out
+
+
+def tiled_gemm(product: tuple, i: int, vector: tuple[int, int], l2: int) -> Gemm:
+    """``product`` (as :func:`key` names it) as the compiler tiles it with B read in place,
+    over buffers of its own (``i`` tells them apart)."""
+    m, n, k, lda, ldb, ldc, trans_a = product
+    lanes = vector[0] // 32
+    a, b, c = (Buffer((x, i), x, (size,)) for x, size in
+               zip("ABC", ((k if trans_a else m) * lda, k * ldb, m * ldc)))
+    rows, cols, block = in_place_tile(m, n, k, lanes, vector[1], l2 // 2, trans_a, ldb)
+    return Gemm(m, n, k, a, Affine(), lda, trans_a, b, Affine(), ldb, False, c, Affine(), ldc,
+                beta=0.0, panel=(rows, cols, lanes), packed=False, k_block=block)
+
+
+def trial_module(gemms: list[Gemm], which) -> str:
+    """The LLVM IR of the products ``gemms[i]`` for ``i`` in ``which``, each the exported
+    ``trial<i>(ptr* operands)`` over its A, B and C."""
+    builder = ModuleBuilder({})
+    for i in which:
+        g = gemms[i]
+        builder.buffer_index.update({g.a_buf: 0, g.b_buf: 1, g.c_buf: 2})
+        builder.add_segment(f"trial{i}", [Kernel(f"trial{i}", Block((g,)))])
+    return str(builder.module)
+
+
+def operands(product: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A, B and C of ``product`` (:func:`_operand`)."""
+    m, n, k, lda, ldb, ldc, trans_a = product
+    return tuple(_operand(*block) for block in (
+        (k, m, lda) if trans_a else (m, k, lda), (k, n, ldb), (m, n, ldc)))
+
+
+def blas_call(sgemm, product: tuple, a: np.ndarray, b: np.ndarray, c: np.ndarray):
+    """``sgemm`` (CBLAS's) running ``product`` over ``a``, ``b`` and ``c``, as a function of
+    no arguments."""
+    m, n, k, lda, ldb, ldc, trans_a = product
+    return functools.partial(sgemm, 101, 112 if trans_a else 111, 111, m, n, k, 1.0,
+                             a.ctypes.data, lda, b.ctypes.data, ldb, 0.0, c.ctypes.data, ldc)
 
 
 def _operand(rows: int, cols: int, ld: int) -> np.ndarray:
