@@ -12,6 +12,7 @@ from helpers import WeightedSumLoss, assert_scaled_close
 import latte.stdlib as stdlib
 from latte import Net, Phase
 from latte.compiler.explain import explain_program
+from latte.compiler.ir import touched
 from latte.compiler.passes.tiling import tile_loop
 from latte.compiler.program import Segment
 from latte.stdlib import MemoryDataLayer
@@ -106,6 +107,19 @@ def test_test_forward_equals_torch_eval(case, threads):
     with torch.no_grad():
         expected = twin.eval()(torch.tensor(net.value(x), dtype=torch.float64)).numpy()
     assert_scaled_close(net.value(out), expected, 1e-4, "test-mode output")
+
+
+
+@pytest.mark.parametrize("case, bn", [("block", "blk_conv2_bn"), ("projected", "blk_proj_bn")])
+def test_the_bn_before_the_residual_add_stays_in_registers(case, bn):
+    """The test forward's add reads the batch norm's output right where it is computed: the
+    group's kernel keeps it in a local, in no buffer (not even a line buffer)."""
+    net, *_ = _net(CASES[case][0], 3, 2)
+    kernel, = [k for s in net.program.test if isinstance(s, Segment) for k in s.kernels
+               if bn in k.name.removesuffix(".test").split("+")]
+    names = {b.name for b in touched(kernel.body)}
+    assert {"blk_add.value", f"{bn}.scale"} <= names, sorted(names)
+    assert not any(n.startswith(f"{bn}.value") for n in names), sorted(names)
 
 
 def test_explain_says_fused_or_why_not():

@@ -37,7 +37,7 @@ from latte.compiler.passes import distribute_loops, match_gemm
 from latte.compiler.passes.coalesce import coalesce_loops
 from latte.compiler.passes.fuse import merge_pointwise
 from latte.compiler.passes.guards import split_guards
-from latte.compiler.passes.localize import _gemm_row
+from latte.compiler.passes.localize import _gemm_row, keep_in_locals
 from latte.compiler.passes.time_hoist import hoist_param_grads
 from latte.stdlib import (
     AddLayer,
@@ -310,6 +310,48 @@ def test_distribution_refuses_a_carried_dependence():
                   Assign(_ref(z, "n"), Load(_ref(y, Affine.of("n", 1, 1))))))  # reads y[n+1]
     kernel = Kernel("k", Block((Loop("n", 0, 5, body),)))
     assert distribute_loops(kernel) == kernel
+
+
+
+def _stored_then_read(*later) -> tuple[Kernel, Buffer]:
+    """``for i: for j: t[i, j] = 2 x[i, j]; y[i, j] = t[i, j] + z[i, j]`` and ``later``."""
+    t, x, y, z = (_buf(n, 3, 4) for n in "txyz")
+    stmts = (Assign(_ref(t, "i", "j"), BinOp("*", Const(2.0), Load(_ref(x, "i", "j")))),
+             Assign(_ref(y, "i", "j"), BinOp("+", Load(_ref(t, "i", "j")), Load(_ref(z, "i", "j")))),
+             *(s(t, y) for s in later))
+    return Kernel("k", Block((Loop("i", 0, 3, Block((Loop("j", 0, 4, Block(stmts)),))),))), t
+
+
+def test_an_intermediate_read_back_at_once_is_kept_in_a_local():
+    """A store whose element only the next straight-line statements read (a batch norm's
+    output before the add) becomes a local; every other reader keeps the buffer."""
+    again = lambda t, y: AugAssign(_ref(y, "i", "j"), "*", Load(_ref(t, "i", "j")))  # noqa: E731
+    for later in [(), (again,)]:
+        kernel, t = _stored_then_read(*later)
+        kept = keep_in_locals(kernel, {t})
+        assert t not in {r.buffer for r in walk(kept) if isinstance(r, Ref)}
+        assert Var("_lv0") in list(walk(kept))
+        mem = _random_memory(kernel)
+        out = {b: a.copy() for b, a in mem.items()}
+        run(kernel, mem)
+        run(kept, out)
+        for b in mem:
+            if b is not t:
+                np.testing.assert_array_equal(out[b], mem[b], err_msg=b.name)
+    kernel, t = _stored_then_read()
+    assert keep_in_locals(kernel, set()) is kernel                        # not a candidate
+    for later in [
+        lambda t, y: Assign(_ref(y, "i", "j"), Load(_ref(t, "i", Affine.of("j", -1, 3)))),  # another element
+        lambda t, y: AugAssign(_ref(t, "i", "j"), "+", Const(1.0)),     # stored again
+        lambda t, y: Loop("k", 0, 2, Block((                             # read in a loop
+            AugAssign(_ref(y, "i", "j"), "+", Load(_ref(t, "i", "j"))),))),
+    ]:
+        kernel, t = _stored_then_read(later)
+        assert keep_in_locals(kernel, {t}) is kernel
+    kernel, t = _stored_then_read()   # read in another nest too
+    other = Loop("i", 0, 3, Block((Assign(_ref(t, "i", Affine()), Const(0.0)),)))
+    kernel = Kernel("k", Block((*kernel.body.stmts, other)))
+    assert keep_in_locals(kernel, {t}) is kernel
 
 
 # ---------------------------------------------------------------- line buffers

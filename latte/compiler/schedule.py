@@ -9,7 +9,7 @@ from dataclasses import replace
 from latte.compiler.buffers import BufferPlan, storage_owner
 from latte.compiler.fingerprint import shape
 from latte.compiler.ir import Block, Kernel, accesses
-from latte.compiler.passes import drop_stores, localize
+from latte.compiler.passes import drop_stores, keep_in_locals, localize
 from latte.compiler.program import AFTER_LOOP, BEFORE_LOOP, HostStep, Segment, TimeSteps
 from latte.compiler.synthesis import zero_loop
 from latte.errors import CompileError
@@ -74,9 +74,10 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list 
     """The forward steps of ``Phase.TEST``. No backward follows, so ``Batch`` fields that
     forward only writes (a max-pool's arg-max) are not stored, and each fused group keeps
     the intermediate values nothing after it reads (its members' but the last one's) in
-    per-thread line buffers. Host steps that ignore their inputs in the test phase (a batch
-    norm's statistics, from ``net.state``) run first, and kernels whose values only such
-    steps read (the statistics' partial sums) do not run: their values are stale in TEST.
+    per-thread line buffers, or in locals where the next statements read them back at once.
+    Host steps that ignore their inputs in the test phase (a batch norm's statistics, from
+    ``net.state``) run first, and kernels whose values only such steps read (the
+    statistics' partial sums) do not run: their values are stale in TEST.
     Each of ``test_groups`` (fused in this phase alone) runs its kernel ``"test"`` in place
     of its members' kernels."""
     steps = _with_test_groups(_hoist_and_prune(forward, bufs), test_groups)
@@ -103,7 +104,8 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list 
                        not in {q.ensemble for q in plans}}
             elsewhere = hosts | looped | outside | {a.buffer for j, f in enumerate(found)
                                                     if j != i for a in f}
-            kernel = localize(kernel, set(values[:-1]) - {values[-1]} - elsewhere, bufs)
+            inner = set(values[:-1]) - {values[-1]} - elsewhere
+            kernel = localize(keep_in_locals(kernel, inner), inner, bufs)
         if kernel is not k:
             test[k.name] = kernel
     originals = {s.name: s for s in forward if isinstance(s, Segment)}

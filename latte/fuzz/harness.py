@@ -16,7 +16,9 @@ across both halves, half take the products of Winograd's blocks of items once ov
 whole batch (:data:`latte.compiler.passes.winograd.SPREAD_EVERY`). After the last step
 both nets run a ``Phase.TEST`` forward, whose intermediate values share the arena
 (:mod:`latte.compiler.test_values`), and then the same steps on the net's own buffers: the
-outputs must be equal, bit for bit.
+outputs must be equal, bit for bit. Last, from level 0's parameters and running statistics,
+the optimized test forward (its own fused groups, line buffers and locals) must agree with
+level 0's within the levels' tolerance.
 Mismatches are returned as :class:`Mismatch` records naming their case's seed.
 
 Each entry may differ by a tolerance relative to its array's scale, plus the larger of two
@@ -238,7 +240,31 @@ def _check(seeds: list[int], level: int | None, reference: bool, loss: Callable 
         _compare_updates(out, f"step {step} update", base, opt, tol, against, spread, bounds)
     for net in (base, opt):
         _check_test_forward(out, net)
+    _compare_test_forwards(out, base, opt, tol, against)
     return out
+
+
+def _test_outputs(net: Net) -> list:
+    """The ensembles whose values a test forward must leave right: those no ensemble reads,
+    and the inputs of host steps."""
+    read = {id(s) for e in net.ensembles if not isinstance(e, NormalizationEnsemble)
+            for s in sources(net, e)}
+    outputs = [e for e in net.ensembles if id(e) not in read or any(
+        e in n.inputs for n in net.ensembles if isinstance(n, NormalizationEnsemble))]
+    return [e for e in _computed(net) if e in outputs]
+
+
+def _compare_test_forwards(out: list, base: Net, opt: Net, tol: float, against: str) -> None:
+    """Compare the optimized net's test forward (its own groups, line buffers and locals)
+    with level 0's, both from level 0's parameters and running statistics."""
+    for p, q in zip(base.params, opt.params, strict=True):
+        q.value[...] = p.value
+    for key, v in base.state.items():
+        opt.state[key][...] = v
+    for net in (base, opt):
+        net.forward(Phase.TEST)
+    for e in _test_outputs(base):
+        _compare(out, "test forward value", e.name, opt.value(e.name), base.value(e), tol, against)
 
 
 def _check_test_forward(out: list, net: Net) -> None:
@@ -246,11 +272,7 @@ def _check_test_forward(out: list, net: Net) -> None:
     outputs (the values no ensemble reads, the inputs of host steps) other than the same
     steps give on the net's own buffers."""
     net.forward(Phase.TEST)
-    read = {id(s) for e in net.ensembles if not isinstance(e, NormalizationEnsemble)
-            for s in sources(net, e)}
-    outputs = [e for e in net.ensembles if id(e) not in read or any(
-        e in n.inputs for n in net.ensembles if isinstance(n, NormalizationEnsemble))]
-    got = {e.name: net.value(e).copy() for e in _computed(net) if e in outputs}
+    got = {e.name: net.value(e).copy() for e in _test_outputs(net)}
     net.run_steps(net.program.test, "forward")
     for name, value in got.items():
         if not np.array_equal(value, net.value(name), equal_nan=True):

@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from latte import stdlib
 from latte.lang import DataEnsemble, Ensemble, add_connections
 from latte.stdlib import (
     AddLayer,
@@ -39,6 +40,7 @@ from latte.stdlib import (
 )
 from latte.stdlib.batchnorm import BatchNormLayer
 from latte.stdlib.convolution import ConvolutionLayer, UnbiasedNeuron
+from latte.zoo.nets import basic_block, bottleneck
 
 
 @dataclass(frozen=True)
@@ -235,3 +237,15 @@ def _recurrent(rng, net, name, src, pool):
 
 LAYERS.append(Layer("recurrent", lambda src: src.net.time_steps > 1 and src.size <= 16, _recurrent))
 
+
+
+# ---- residual blocks (issue 13): in the test forward their batch norm + add + ReLU tails
+# fuse with the convolutions, or run as a group of their own, each batch norm's output read
+# back at once from a local (:func:`latte.compiler.passes.localize.keep_in_locals`)
+def _residual(rng, net, name, src, pool):
+    block = pick(rng, [basic_block, bottleneck])
+    width = int(rng.integers(1, 3)) if block is bottleneck else int(rng.integers(1, 5))
+    return block(stdlib, name, net, src, width, int(rng.integers(1, 3)))
+
+
+LAYERS.append(Layer("residual", lambda src: image(src) and min(src.shape[1:]) >= 2, _residual))

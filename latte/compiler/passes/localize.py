@@ -14,10 +14,15 @@ rolling line buffer without modular indexing.
 Everything is checked on the kernel itself: every access to the buffer lies in one tiled
 nest, its row index is affine in ``t`` with the same ``step`` everywhere, a GEMM operand
 walks whole rows of channels. Anything else leaves the buffer where it was.
+
+An intermediate that one statement stores and only the statements after it in the same
+block read back, element for element (a batch norm's output inside batch norm -> add ->
+ReLU), needs no buffer at all: :func:`keep_in_locals` keeps it in a local.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from latte.compiler.ir import (
@@ -32,9 +37,12 @@ from latte.compiler.ir import (
     Load,
     Loop,
     Ref,
+    Var,
     accesses,
+    refs,
     rewrite,
     touched,
+    walk,
 )
 from latte.compiler.passes.tiling import tile_loop
 
@@ -50,6 +58,50 @@ def drop_stores(node, dead: set[Buffer]):
             return Block()
         return None
     return rewrite(node, fn)
+
+
+def keep_in_locals(kernel: Kernel, candidates: set[Buffer]) -> Kernel:
+    """``kernel`` with each of ``candidates`` that a block's statement stores to (``=``), and
+    only the straight-line statements after it in that block then read, at the stored
+    element, held in a local variable instead: nothing else reads the element, so it never
+    needs memory."""
+    found: dict[Buffer, int] = {}
+    for r in refs(kernel.body):
+        if r.buffer in candidates:
+            found[r.buffer] = found.get(r.buffer, 0) + 1
+    names = {n.name for n in walk(kernel.body) if isinstance(n, Var)}
+    body = kernel.body
+    for buf in sorted(found, key=lambda b: b.name):
+        local = Var(next(f"_lv{i}" for i in range(len(names) + 1) if f"_lv{i}" not in names))
+        new = rewrite(body, functools.partial(_in_local, buf=buf, count=found[buf], local=local))
+        if new is not body:
+            names.add(local.name)
+            body = new
+    return kernel if body is kernel.body else replace(kernel, body=body)
+
+
+def _in_local(node, buf: Buffer, count: int, local: Var):
+    """The block ``node`` with the store to ``buf`` and its ``count - 1`` loads after it
+    (every ref of ``buf`` in the kernel) turned into ``local``; None where they are not all
+    there (:func:`keep_in_locals`)."""
+    if not isinstance(node, Block):
+        return None
+    for i, s in enumerate(node.stmts):
+        if not (isinstance(s, Assign) and isinstance(s.target, Ref) and s.target.buffer is buf):
+            continue
+        later = node.stmts[i + 1:]
+        if buf in touched(s.value) or any(
+                not isinstance(t, (Assign, AugAssign)) or
+                (isinstance(t.target, Ref) and t.target.buffer is buf) for t in later
+                if buf in touched(t)):
+            return None
+        loads = [r for t in later for r in refs(t) if r.buffer is buf]
+        if len(loads) + 1 != count or any(r != s.target for r in loads):
+            return None
+        read = {Load(s.target): local}
+        return replace(node, stmts=(*node.stmts[:i], Assign(local, s.value, s.loc),
+                                    *(rewrite(t, read.get) for t in later)))
+    return None
 
 
 def localize(kernel: Kernel, candidates: set[Buffer], bufs) -> Kernel:
