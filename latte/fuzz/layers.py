@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable
 
 import numpy as np
@@ -245,7 +246,10 @@ LAYERS.append(Layer("recurrent", lambda src: src.net.time_steps > 1 and src.size
 def _residual(rng, net, name, src, pool):
     block = pick(rng, [basic_block, bottleneck])
     width = int(rng.integers(1, 3)) if block is bottleneck else int(rng.integers(1, 5))
-    return block(stdlib, name, net, src, width, int(rng.integers(1, 3)))
+    def batchnorm(bn_name, bn_net, bn_src):   # the zoo's eps of 1e-5 is too small here
+        return _batchnorm(rng, bn_net, bn_name, bn_src, pool)
+    lib = SimpleNamespace(**{**vars(stdlib), "BatchNormLayer": batchnorm})
+    return block(lib, name, net, src, width, int(rng.integers(1, 3)))
 
 
 LAYERS.append(Layer("residual", lambda src: image(src) and min(src.shape[1:]) >= 2, _residual))
