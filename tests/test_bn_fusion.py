@@ -113,12 +113,15 @@ def test_test_forward_equals_torch_eval(case, threads):
 @pytest.mark.parametrize("case, bn", [("block", "blk_conv2_bn"), ("projected", "blk_proj_bn")])
 def test_the_bn_before_the_residual_add_stays_in_registers(case, bn):
     """The test forward's add reads the batch norm's output right where it is computed: the
-    group's kernel keeps it in a local, in no buffer (not even a line buffer)."""
+    group's kernel keeps it in a local, in no buffer (not even a line buffer), and ``latte
+    explain`` says so."""
     net, *_ = _net(CASES[case][0], 3, 2)
     kernel, = [k for s in net.program.test if isinstance(s, Segment) for k in s.kernels
                if bn in k.name.removesuffix(".test").split("+")]
     names = {b.name for b in touched(kernel.body)}
     assert {"blk_add.value", f"{bn}.scale"} <= names, sorted(names)
+    assert f"kept in registers by the test forward (each element read back as soon as it is " \
+           f"computed): {bn}\n" in explain_program(net.program)
     assert not any(n.startswith(f"{bn}.value") for n in names), sorted(names)
 
 

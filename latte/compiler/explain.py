@@ -7,7 +7,7 @@ import math
 from latte.compiler import HostStep, Segment, TimeSteps, trials
 from latte.compiler.autodiff import derived_backward, format_neuron
 from latte.compiler.fusion import ROW_DIM, planner_chain
-from latte.compiler.ir import Gemm, Ref, accesses, walk
+from latte.compiler.ir import Gemm, Ref, accesses, touched, walk
 from latte.compiler.passes.pack import timed
 from latte.compiler.passes.tiling import FLOAT_BYTES
 from latte.compiler.planner import brainslug, occam
@@ -41,6 +41,10 @@ def _locality(program) -> list[str]:
         out += [f"    {b.name[:-len('.lines')]}: {' x '.join(map(str, b.shape[1:]))} "
                 f"({b.size // b.shape[0] * FLOAT_BYTES / 1024:.0f} KiB), "
                 f"{'test forward' if b in test else 'training backward'}" for b in lines]
+    kept = _in_locals(program)
+    if kept:
+        out.append("  kept in registers by the test forward (each element read back as soon as it "
+                   f"is computed): {', '.join(kept)}")
     chain = planner_chain(program.plans)
     if len(chain) > 1 and program.budget:
         batch, budget = program.buffers.batch_size, program.budget
@@ -49,6 +53,24 @@ def _locality(program) -> list[str]:
         for plan in (occam(chain, budget, batch=batch), brainslug(chain, budget, batch=batch)):
             out.append("")
             out.extend("  " + line for line in plan.format().splitlines())
+    return out
+
+
+def _in_locals(program) -> list[str]:
+    """The fused groups' intermediate values that no buffer holds in the test forward: its
+    group's kernel keeps each element in a local (``localize.keep_in_locals``)."""
+    kernels = {k.name: k for s in program.test if isinstance(s, Segment) for k in s.kernels}
+    out = []
+    for g in program.groups + program.test_groups:
+        phase = "test" if g in program.test_groups else "forward"
+        kernel = kernels.get(g.owner("forward").kernels[phase].name)
+        if kernel is None:
+            continue
+        names = {b.name for b in touched(kernel.body)}
+        for plan in g.plans[:-1]:
+            value = program.buffers.value_home(plan.ensemble).name
+            if value not in names and f"{value}.lines" not in names:
+                out.append(plan.ensemble.name)
     return out
 
 
