@@ -109,7 +109,6 @@ def test_test_forward_equals_torch_eval(case, threads):
     assert_scaled_close(net.value(out), expected, 1e-4, "test-mode output")
 
 
-
 @pytest.mark.parametrize("case, bn", [("block", "blk_conv2_bn"), ("projected", "blk_proj_bn")])
 def test_the_bn_before_the_residual_add_stays_in_registers(case, bn):
     """The test forward's add reads the batch norm's output right where it is computed: the
@@ -120,9 +119,9 @@ def test_the_bn_before_the_residual_add_stays_in_registers(case, bn):
                if bn in k.name.removesuffix(".test").split("+")]
     names = {b.name for b in touched(kernel.body)}
     assert {"blk_add.value", f"{bn}.scale"} <= names, sorted(names)
+    assert not any(n.startswith(f"{bn}.value") for n in names), sorted(names)
     assert f"kept in registers by the test forward (each element read back as soon as it is " \
            f"computed): {bn}\n" in explain_program(net.program)
-    assert not any(n.startswith(f"{bn}.value") for n in names), sorted(names)
 
 
 def test_explain_says_fused_or_why_not():

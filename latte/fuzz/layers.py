@@ -239,13 +239,13 @@ def _recurrent(rng, net, name, src, pool):
 LAYERS.append(Layer("recurrent", lambda src: src.net.time_steps > 1 and src.size <= 16, _recurrent))
 
 
-
 # ---- residual blocks (issue 13): in the test forward their batch norm + add + ReLU tails
 # fuse with the convolutions, or run as a group of their own, each batch norm's output read
 # back at once from a local (:func:`latte.compiler.passes.localize.keep_in_locals`)
 def _residual(rng, net, name, src, pool):
     block = pick(rng, [basic_block, bottleneck])
     width = int(rng.integers(1, 3)) if block is bottleneck else int(rng.integers(1, 5))
+
     def batchnorm(bn_name, bn_net, bn_src):   # the zoo's eps of 1e-5 is too small here
         return _batchnorm(rng, bn_net, bn_name, bn_src, pool)
     lib = SimpleNamespace(**{**vars(stdlib), "BatchNormLayer": batchnorm})
