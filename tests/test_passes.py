@@ -312,6 +312,23 @@ def test_distribution_refuses_a_carried_dependence():
     assert distribute_loops(kernel) == kernel
 
 
+# ---------------------------------------------------------------- line buffers
+def test_line_buffers_take_gemm_offsets_apart_only_when_rows_are_unambiguous():
+    """A GEMM operand's flat offset into (batch, channels, rows, cols) = (2, 4, 8, 5): rows
+    move with the tile variable, by whole rows or (one tile per image) whole planes; an
+    offset that could be a channel (a constant plane, a channel loop) is refused."""
+    buf = Buffer(("t", "value"), "t.value", (2, 4, 8, 5), batched=True)
+    item, plane, row = 160, 40, 5
+
+    def off(terms, const=0):
+        return Affine.build({"n": item, **terms}, const)
+    assert _gemm_row(off({"t": 2 * row}, -row), "n", "t", buf) == Affine.build({"t": 2}, -1)
+    assert _gemm_row(off({"t": plane}), "n", "t", buf) == Affine.build({"t": 8})
+    assert _gemm_row(off({}, plane), "n", "t", buf) is None          # channel 1, or row 8?
+    assert _gemm_row(off({"c": plane}), "n", "t", buf) is None       # a channel loop
+    assert _gemm_row(off({"t": 3}), "n", "t", buf) is None           # not whole rows
+    assert _gemm_row(Affine.build({"n": 1}), "n", "t", buf) is None  # not per batch item
+
 
 def _stored_then_read(*later) -> tuple[Kernel, Buffer]:
     """``for i: for j: t[i, j] = 2 x[i, j]; y[i, j] = t[i, j] + z[i, j]`` and ``later``."""
@@ -352,24 +369,6 @@ def test_an_intermediate_read_back_at_once_is_kept_in_a_local():
     other = Loop("i", 0, 3, Block((Assign(_ref(t, "i", Affine()), Const(0.0)),)))
     kernel = Kernel("k", Block((*kernel.body.stmts, other)))
     assert keep_in_locals(kernel, {t}) is kernel
-
-
-# ---------------------------------------------------------------- line buffers
-def test_line_buffers_take_gemm_offsets_apart_only_when_rows_are_unambiguous():
-    """A GEMM operand's flat offset into (batch, channels, rows, cols) = (2, 4, 8, 5): rows
-    move with the tile variable, by whole rows or (one tile per image) whole planes; an
-    offset that could be a channel (a constant plane, a channel loop) is refused."""
-    buf = Buffer(("t", "value"), "t.value", (2, 4, 8, 5), batched=True)
-    item, plane, row = 160, 40, 5
-
-    def off(terms, const=0):
-        return Affine.build({"n": item, **terms}, const)
-    assert _gemm_row(off({"t": 2 * row}, -row), "n", "t", buf) == Affine.build({"t": 2}, -1)
-    assert _gemm_row(off({"t": plane}), "n", "t", buf) == Affine.build({"t": 8})
-    assert _gemm_row(off({}, plane), "n", "t", buf) is None          # channel 1, or row 8?
-    assert _gemm_row(off({"c": plane}), "n", "t", buf) is None       # a channel loop
-    assert _gemm_row(off({"t": 3}), "n", "t", buf) is None           # not whole rows
-    assert _gemm_row(Affine.build({"n": 1}), "n", "t", buf) is None  # not per batch item
 
 
 def test_substitute_avoids_name_capture():

@@ -100,7 +100,8 @@ def _in_local(node, buf: Buffer, count: int, local: Var):
             return None
         read = {Load(s.target): local}
         return replace(node, stmts=(*node.stmts[:i], Assign(local, s.value, s.loc),
-                                    *(rewrite(t, read.get) for t in later)))
+                                    *(rewrite(t, read.get) if buf in touched(t) else t
+                                      for t in later)))
     return None
 
 
