@@ -1,5 +1,6 @@
 """Shared fixtures: a private compile cache per test session, in which every compiled
-kernel is verified after every pipeline step (``LATTE_VERIFY=steps``)."""
+kernel is verified after every pipeline step (``LATTE_VERIFY=steps``); the random tester's
+cases checked in a worker process beside the other tests, and their tests run last."""
 
 from __future__ import annotations
 
@@ -22,3 +23,27 @@ def latte_cache_dir(tmp_path_factory):
         mp.setenv("LATTE_CACHE_DIR", str(path))
         mp.setenv("LATTE_VERIFY", "steps")
         yield path
+
+
+def _fuzz_case(item) -> int | None:
+    """The random tester's case an item checks (None: another test)."""
+    return getattr(getattr(item, "callspec", None), "params", {}).get("case")
+
+
+def pytest_collection_modifyitems(items):
+    """The random tester's cases last: their checks, started with the session
+    (:func:`fuzz_ahead`), run beside the other tests meanwhile."""
+    items.sort(key=lambda item: _fuzz_case(item) is not None)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def fuzz_ahead(latte_cache_dir, request):
+    """The selected random cases' checks (tests/test_fuzz.py's ``Ahead``), started in a
+    worker process once the cache is set up; None when no case is selected."""
+    items = [item for item in request.session.items if _fuzz_case(item) is not None]
+    if not items:
+        yield None
+        return
+    ahead = items[0].module.Ahead([_fuzz_case(item) for item in items])
+    yield ahead
+    ahead.close()

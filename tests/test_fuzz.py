@@ -4,7 +4,7 @@ against level 0 and level 0 against the reference interpreter.
 ``pytest tests/test_fuzz.py --fuzz N`` (or ``LATTE_FUZZ=N``) runs cases 0..N-1 (default 200);
 ``--fuzz-seed S[,S...]`` reruns the listed cases. Each case compiles its own two nets (level 0
 and its optimized level: nets of many cases compile no faster per case, measured), in worker
-processes, one per core (compiling is nearly all of the time).
+processes from the session's start (:class:`Ahead`; the cases run last).
 """
 
 from __future__ import annotations
@@ -141,17 +141,45 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("case", seeds, ids=[f"case{s}" for s in _seeds(metafunc.config)])
 
 
+class Ahead:
+    """The selected cases' checks, in worker processes from the session's start (the
+    conftest's ``fuzz_ahead``): one worker while the other tests run beside it, every core
+    once the cases' own tests come (the conftest runs them last)."""
+
+    def __init__(self, seeds: list[int]):
+        self._pools = [self._pool()]
+        self._futures = {s: self._pools[0].submit(_check_case, s) for s in seeds}
+
+    @staticmethod
+    def _pool() -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+    def widen(self) -> None:
+        """Share the cases not started yet among a worker per core."""
+        if len(self._pools) > 1:
+            return
+        self._pools += [self._pool() for _ in range(usable_cores() - 1)]
+        waiting = [s for s, f in self._futures.items() if f.cancel()]
+        for k, s in enumerate(waiting):
+            self._futures[s] = self._pools[k % len(self._pools)].submit(_check_case, s)
+
+    def result(self, seed: int) -> list:
+        return self._futures[seed].result()
+
+    def close(self) -> None:
+        for pool in self._pools:
+            pool.shutdown(cancel_futures=True)
+
+
 @pytest.fixture(scope="module")
-def checked(request):
-    """The mismatches of every selected case, computed in worker processes ahead of the
-    tests that ask for them."""
-    pool = ProcessPoolExecutor(usable_cores(), mp_context=multiprocessing.get_context("spawn"))
-    selected = [item.callspec.params["case"] for item in request.session.items
-                if "case" in getattr(getattr(item, "callspec", None), "params", {})]
-    futures = {s: pool.submit(check_cases, [s], level=_level(s), loss=_loss, derived=DERIVED)
-               for s in selected}
-    yield lambda seed: futures[seed].result()
-    pool.shutdown(cancel_futures=True)
+def checked(fuzz_ahead):
+    """The mismatches of a selected case, computed ahead (:class:`Ahead`)."""
+    fuzz_ahead.widen()
+    return fuzz_ahead.result
+
+
+def _check_case(seed: int) -> list:
+    return check_cases([seed], level=_level(seed), loss=_loss, derived=DERIVED)
 
 
 def _level(seed: int) -> int | None:
@@ -186,8 +214,7 @@ def test_cases_compiled_for_avx2():
     host: an AVX-512 host tests the code an AVX2 one runs."""
     with ProcessPoolExecutor(usable_cores(), mp_context=multiprocessing.get_context("spawn"),
                              initializer=_for_avx2) as pool:
-        futures = {s: pool.submit(check_cases, [s], level=_level(s), loss=_loss, derived=DERIVED)
-                   for s in AVX2_CASES}
+        futures = {s: pool.submit(_check_case, s) for s in AVX2_CASES}
         found = {s: f.result() for s, f in futures.items()}
     lines = [f"case {s}: {m}" for s, ms in found.items() for m in ms[:4]]
     assert not lines, "\n".join(lines + ["rerun: LATTE_TARGET=avx2 pytest tests/test_fuzz.py "
