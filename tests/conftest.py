@@ -26,8 +26,11 @@ def latte_cache_dir(tmp_path_factory):
 
 
 def _fuzz_case(item) -> int | None:
-    """The random tester's case an item checks (None: another test)."""
-    return getattr(getattr(item, "callspec", None), "params", {}).get("case")
+    """The random tester's case an item checks (None: another test): the tests that ask
+    for tests/test_fuzz.py's ``checked``."""
+    if "checked" not in getattr(item, "fixturenames", ()):
+        return None
+    return item.callspec.params["case"]
 
 
 def pytest_collection_modifyitems(items):
