@@ -143,16 +143,19 @@ def pytest_generate_tests(metafunc):
 
 class Ahead:
     """The selected cases' checks, in worker processes from the session's start (the
-    conftest's ``fuzz_ahead``): one worker while the other tests run beside it, every core
-    once the cases' own tests come (the conftest runs them last)."""
+    conftest's ``fuzz_ahead``): one worker at the lowest priority while the other tests run
+    (it takes what CPU time they leave: their threads meet at barriers, and one descheduled
+    for a busy neighbour stalls the others, 10x on a training example), every core once the
+    cases' own tests come (the conftest runs them last)."""
 
     def __init__(self, seeds: list[int]):
-        self._pools = [self._pool()]
+        self._pools = [self._pool(_background)]
         self._futures = {s: self._pools[0].submit(_check_case, s) for s in seeds}
 
     @staticmethod
-    def _pool() -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    def _pool(initializer=None) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=initializer)
 
     def widen(self) -> None:
         """Share the cases not started yet among a worker per core."""
@@ -176,6 +179,10 @@ def checked(fuzz_ahead):
     """The mismatches of a selected case, computed ahead (:class:`Ahead`)."""
     fuzz_ahead.widen()
     return fuzz_ahead.result
+
+
+def _background() -> None:
+    os.nice(19)
 
 
 def _check_case(seed: int) -> list:
