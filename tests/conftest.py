@@ -5,6 +5,7 @@ cases checked in a worker process beside the other tests, and their tests run la
 from __future__ import annotations
 
 import pytest
+from helpers import fuzz_case
 
 
 def pytest_addoption(parser):
@@ -25,28 +26,20 @@ def latte_cache_dir(tmp_path_factory):
         yield path
 
 
-def _fuzz_case(item) -> int | None:
-    """The random tester's case an item checks (None: another test): the tests that ask
-    for tests/test_fuzz.py's ``checked``."""
-    if "checked" not in getattr(item, "fixturenames", ()):
-        return None
-    return item.callspec.params["case"]
-
-
 def pytest_collection_modifyitems(items):
     """The random tester's cases last: their checks, started with the session
     (:func:`fuzz_ahead`), run beside the other tests meanwhile."""
-    items.sort(key=lambda item: _fuzz_case(item) is not None)
+    items.sort(key=lambda item: fuzz_case(item) is not None)
 
 
 @pytest.fixture(autouse=True, scope="session")
 def fuzz_ahead(latte_cache_dir, request):
     """The selected random cases' checks (tests/test_fuzz.py's ``Ahead``), started in a
     worker process once the cache is set up; None when no case is selected."""
-    items = [item for item in request.session.items if _fuzz_case(item) is not None]
+    items = [item for item in request.session.items if fuzz_case(item) is not None]
     if not items:
         yield None
         return
-    ahead = items[0].module.Ahead([_fuzz_case(item) for item in items])
+    ahead = items[0].module.Ahead([fuzz_case(item) for item in items])
     yield ahead
     ahead.close()

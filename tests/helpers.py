@@ -178,3 +178,11 @@ def run_results(out: Path) -> tuple[dict, dict]:
     with np.load(out / "params.npz") as f:
         params = dict(f)
     return params, json.loads((out / "history.json").read_text())
+
+
+def fuzz_case(item) -> int | None:
+    """The random tester's case a collected test checks (None: another test): the tests
+    that ask for tests/test_fuzz.py's ``checked``."""
+    if "checked" not in getattr(item, "fixturenames", ()):
+        return None
+    return item.callspec.params["case"]

@@ -16,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
-from helpers import WeightedSumLoss
+from helpers import WeightedSumLoss, fuzz_case
 
 from latte import Ensemble, Net, Neuron, add_connections
 from latte.compiler.machine import runs_avx2, usable_cores
@@ -204,6 +204,14 @@ def test_random_nets(case, checked):
         lines = [str(m) for m in found[:12]]
         lines.append(f"rerun: pytest tests/test_fuzz.py --fuzz-seed {case}")
         pytest.fail("\n".join(lines), pytrace=False)
+
+
+def test_the_random_cases_run_last_and_start_with_the_session(request, fuzz_ahead):
+    """The conftest runs the cases' tests after every other selected test, so that their
+    checks, started with the session, overlap the others (:class:`Ahead`)."""
+    kinds = [fuzz_case(item) is not None for item in request.session.items]
+    assert kinds == sorted(kinds)
+    assert (fuzz_ahead is not None) == any(kinds)
 
 
 AVX2_CASES = range(12)   # compiled again as for an AVX2 machine (the test below)
