@@ -145,8 +145,9 @@ class Ahead:
     """The selected cases' checks, in worker processes from the session's start (the
     conftest's ``fuzz_ahead``): one worker at the lowest priority while the other tests run
     (it takes what CPU time they leave: their threads meet at barriers, and one descheduled
-    for a busy neighbour stalls the others, 10x on a training example), every core once the
-    cases' own tests come (the conftest runs them last)."""
+    for a busy neighbour stalls the others, 10x on a training example), then, once the
+    cases' own tests come (the conftest runs them last), a worker per core at the normal
+    priority takes the cases not started yet."""
 
     def __init__(self, seeds: list[int]):
         self._pools = [self._pool(_background)]
@@ -158,13 +159,15 @@ class Ahead:
                                    initializer=initializer)
 
     def widen(self) -> None:
-        """Share the cases not started yet among a worker per core."""
+        """Share the cases not started yet among a worker per core, at the normal priority
+        (beside them, the first one would only finish what it has started)."""
         if len(self._pools) > 1:
             return
-        self._pools += [self._pool() for _ in range(usable_cores() - 1)]
+        pools = [self._pool() for _ in range(usable_cores())]
         waiting = [s for s, f in self._futures.items() if f.cancel()]
         for k, s in enumerate(waiting):
-            self._futures[s] = self._pools[k % len(self._pools)].submit(_check_case, s)
+            self._futures[s] = pools[k % len(pools)].submit(_check_case, s)
+        self._pools += pools
 
     def result(self, seed: int) -> list:
         return self._futures[seed].result()

@@ -175,9 +175,9 @@ def check_cases(seeds: list[int], *, level: int | None = None, reference: bool =
     window but no spread and skips no fragile entry (:func:`_reference_step`): every
     allowance the others make widens a bound or skips an entry, and they change nothing
     else, so what passes so passes with them. Only where something differs do the cases run
-    again with the others, the first of :data:`JITTER_PAIRS` jittered pairs, and where
-    something still differs with all of them (more pairs only add to the allowances), and
-    that run decides."""
+    again with the others: the nudged references and the first :data:`JITTER_PAIRS`
+    jittered pairs, then, where something still differs, all of them (more pairs only add
+    to the allowances); the last run decides."""
     found = _check(seeds, level, reference, loss, derived, timings, pairs=0)
     for pairs in JITTER_PAIRS:
         if found and reference:
