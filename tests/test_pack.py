@@ -16,7 +16,23 @@ from latte import Net
 from latte.compiler import Segment, TimeSteps
 from latte.compiler.codegen import ModuleBuilder
 from latte.compiler.explain import explain_program
-from latte.compiler.ir import Affine, Block, Buffer, Gemm, Kernel, Ref, walk
+from latte.compiler.ir import (
+    EPI_C,
+    EPI_COL,
+    EPI_ROW,
+    Affine,
+    Assign,
+    BinOp,
+    Block,
+    Buffer,
+    Const,
+    Gemm,
+    Kernel,
+    Load,
+    Ref,
+    Var,
+    walk,
+)
 from latte.compiler.jit import target
 from latte.compiler.microkernel import (
     DOT_COPY,
@@ -28,6 +44,7 @@ from latte.compiler.microkernel import (
     realigned,
     tile,
 )
+from latte.compiler.passes.epilogue import epilogue
 from latte.compiler.passes.pack import _dot
 from latte.compiler.printer import fmt_stmt
 from latte.stdlib import FullyConnectedLayer, LSTMLayer, MemoryDataLayer, SoftmaxLossLayer
@@ -62,8 +79,9 @@ def _run_tiled(m, n, k, rows, cols, lanes, trans_a, alpha, beta, packed=True, se
 
 
 def _multiply(gemm, *arrays) -> None:
-    """Compile and run ``gemm(buffers)`` over ``arrays`` (A, B, C in place, then a bias)."""
-    bufs = [Buffer((x,), x, arr.shape) for x, arr in zip("ABCD", arrays)]
+    """Compile and run ``gemm(buffers)`` over ``arrays`` (A, B, C in place, then its
+    epilogue's)."""
+    bufs = [Buffer((x,), x, arr.shape) for x, arr in zip("ABCDEF", arrays)]
     mb = ModuleBuilder({buf: i for i, buf in enumerate(bufs)})
     mb.add_segment("seg", [Kernel("product", Block((gemm(bufs),)))])
     lib = target().compile(str(mb.module))
@@ -204,37 +222,61 @@ def test_dot_products_match_numpy(m, n, k, rows, cols, lanes, alpha, beta):
     (9, 40, 20, 6, 16, 8),        # AVX2-sized tiles
     (50, 40, 30, 4, 32, 16),      # row block by row block
 ])
-@pytest.mark.parametrize("form,per", [   # after blocks of k, the last one takes the ReLU
+@pytest.mark.parametrize("form,per", [   # after blocks of k, the last one runs the epilogue
     (f, p) for f in ("packed", "in place", "in place, blocks of k", "dot products")
-    for p in ("column", "row", "row, then max(x, 0)")])
+    for p in ("column", "row", "row, then max(x, 0)", "batch norm, add, max(x, 0)")])
 @pytest.mark.parametrize("beta", [0.0, 1.0])
-def test_tiled_gemm_adds_a_bias_per_column_or_row(m, n, k, rows, cols, lanes, form, beta, per):
-    """``C = A @ B + beta * C + bias[j]`` (``bias[i]`` per row; then, with the ReLU,
-    ``max(C, 0)``: a folded bias, :mod:`latte.compiler.passes.bias`), the bias read from an
-    offset into its buffer; rounded as the product, then the bias."""
-    relu = per.endswith("max(x, 0)")
+def test_tiled_gemm_runs_its_epilogue_on_each_element(m, n, k, rows, cols, lanes, form, beta,
+                                                       per):
+    """``C = A @ B + beta * C``, then the epilogue on each element
+    (:mod:`latte.compiler.passes.epilogue`): ``C += bias[j]`` (``bias[i]`` per row; then,
+    with the ReLU, ``C = max(C, 0)``), the bias read from an offset into its buffer; or a
+    batch norm per row into another buffer, a residual added and the ReLU taken there,
+    C keeping the product. Rounded as the product, then each operation in turn."""
     rng = np.random.default_rng(7)
     a = rng.standard_normal((m, k)).astype(np.float32)
     b = rng.standard_normal((k, n)).astype(np.float32)
     c = rng.standard_normal((m, n + 3)).astype(np.float32)
     bias = rng.standard_normal(max(m, n) + 5).astype(np.float32)
-    expected = c.astype(np.float64)
-    added = bias[2:n + 2] if per == "column" else bias[2:m + 2, None]
-    expected[:, :n] = a.astype(np.float64) @ b.astype(np.float64) + beta * expected[:, :n] + added
-    if relu:
-        expected[:, :n] = np.maximum(expected[:, :n], 0.0)
+    res = rng.standard_normal((m, n + 3)).astype(np.float32)
+    out = rng.standard_normal((m, n + 3)).astype(np.float32)
+    expected, after = c.astype(np.float64), out.astype(np.float64)
+    expected[:, :n] = a.astype(np.float64) @ b.astype(np.float64) + beta * expected[:, :n]
+    i, j = Affine.of(EPI_ROW), Affine.of(EPI_COL)
+    x, zero = Var(EPI_C), Const(0.0)
+
+    def body(bias_buf, res_buf, out_buf) -> list:
+        at = lambda row: Ref(bias_buf, (row + 2,), (bias_buf.size,))   # noqa: E731
+        if not per.startswith("batch norm"):
+            add = Assign(Var(EPI_C), BinOp("+", x, Load(at(j if per == "column" else i))))
+            return [add] + [Assign(Var(EPI_C), BinOp("max", x, zero))] * per.endswith("0)")
+        here = lambda buf: Ref(buf, (i * (n + 3) + j,), (buf.size,))   # noqa: E731
+        y = Load(here(out_buf))
+        return [Assign(here(out_buf), BinOp("+", BinOp("*", Load(at(i)), BinOp(
+                    "-", x, Load(at(i + 1)))), Load(at(i + 2)))),
+                Assign(here(out_buf), BinOp("+", Load(here(res_buf)), y)),
+                Assign(here(out_buf), BinOp("max", y, zero))]
+
+    if per.startswith("batch norm"):
+        scale, mean, shift = (bias[2 + s:m + 2 + s, None] for s in range(3))
+        after[:, :n] = np.maximum(res[:, :n] + (scale * (expected[:, :n] - mean) + shift), 0.0)
+    else:
+        expected[:, :n] += bias[2:n + 2] if per == "column" else bias[2:m + 2, None]
+        if per.endswith("max(x, 0)"):
+            expected[:, :n] = np.maximum(expected[:, :n], 0.0)
     trans_b = form == "dot products"
     op_b = {"packed": _packed(b, cols), "dot products": np.ascontiguousarray(b.T)}.get(form, b)
     ldb = {"packed": cols, "dot products": k}.get(form, n)
     panel = (min(rows, 3), 4, lanes) if trans_b else (rows, cols, lanes)
     _multiply(lambda bufs: Gemm(m, n, k, bufs[0], Affine(), k, False, bufs[1], Affine(), ldb,
                                 trans_b, bufs[2], Affine(), n + 3, beta=beta, panel=panel,
-                                packed=form == "packed", bias_buf=bufs[3], bias_off=Affine(const=2),
-                                bias_rows=per != "column", relu=relu,
+                                packed=form == "packed", epilogue=epilogue(m, n, body(*bufs[3:])),
                                 k_block=16 * (form == "in place, blocks of k")),
-              a, op_b, c, bias)
+              a, op_b, c, bias, res, out)
     np.testing.assert_allclose(c, expected, rtol=1e-5, atol=1e-4 * k ** 0.5)
     np.testing.assert_array_equal(c[:, n:], expected[:, n:])
+    np.testing.assert_allclose(out, after, rtol=1e-5, atol=1e-4 * k ** 0.5)
+    np.testing.assert_array_equal(out[:, n:], after[:, n:])
 
 
 @pytest.mark.parametrize("lanes,registers", [(16, 32), (8, 16)])

@@ -135,18 +135,18 @@ class ModuleBuilder:
 
     def tiled_product(self, g: Gemm) -> ir.Function:
         """The register-tiled product ``g`` as a function of its A, B and C pointers (and its
-        bias's), one per module for all products alike (never inlined: compiled once)."""
-        biased = g.bias_buf is not None
+        epilogue's operands'), one per module for all products alike (never inlined:
+        compiled once)."""
         key = tiled_key(g)
         fn = self._tiled.get(key)
         if fn is None:
-            fn = self._tiled[key] = self.function(f"tiled{len(self._tiled)}", 3 + biased, [])
+            ops = len(g.operands())
+            fn = self._tiled[key] = self.function(f"tiled{len(self._tiled)}", 3 + ops, [])
             fn.attributes.add("noinline")
             vec = ir.VectorType(F32, g.panel[2])
             fma = self.declare(f"llvm.fma.v{vec.count}f32", vec, [vec] * 3)
             emitter = _KernelEmitter(self, fn, {}, None)
-            microkernel.emit(emitter.b, g, *fn.args[:3], fma, emitter.counted,
-                             bias=fn.args[3] if biased else None)
+            microkernel.emit(emitter.b, g, *fn.args[:3], fma, emitter.counted, list(fn.args[3:]))
             if g.stream:   # its non-temporal stores seen before the caller's next one
                 emitter.b.call(self.declare("llvm.x86.sse.sfence", ir.VoidType(), []), [])
             emitter.b.ret_void()
@@ -167,7 +167,7 @@ class ModuleBuilder:
 def tiled_key(g: Gemm) -> tuple:
     """What the register-tiled product ``g``'s function is made from."""
     return (g.m, g.n, g.k, g.lda, g.ldb, g.ldc, g.alpha, g.beta, g.trans_a, g.trans_b, g.packed,
-            g.panel, g.k_block, g.bias_buf is not None, g.bias_rows, g.relu, g.stream)
+            g.panel, g.k_block, microkernel.epilogue_key(g), g.c_stored, g.stream)
 
 
 # what a tiled product's function costs LLVM, in the characters of a kernel shape that cost
@@ -528,15 +528,18 @@ class _KernelEmitter:
             self.sgemm(g)
             return
         b, ok = self.b, ir.Constant(I1, 1)
-        for acc in accesses(g):   # each operand block: first and last element inside
-            if self.proven(acc.offset, acc.buffer, acc.span):
+        blocks = [(a.buffer, a.offset, a.span) for a in accesses(g) if a.index is None]
+        blocks += [(buf, base, rows * (g.m - 1) + cols * (g.n - 1))
+                   for buf, base, rows, cols in g.operands()]   # the epilogue's
+        for buf, offset, span in blocks:   # each block: first and last element inside
+            if self.proven(offset, buf, span):
                 continue
-            first = self.affine(acc.offset)
-            last = b.add(first, ir.Constant(I64, acc.span))
-            inside = b.and_(b.icmp_unsigned("<", first, ir.Constant(I64, acc.buffer.size)),
-                            b.icmp_unsigned("<", last, ir.Constant(I64, acc.buffer.size)))
+            first = self.affine(offset)
+            last = b.add(first, ir.Constant(I64, span))
+            inside = b.and_(b.icmp_unsigned("<", first, ir.Constant(I64, buf.size)),
+                            b.icmp_unsigned("<", last, ir.Constant(I64, buf.size)))
             with b.if_then(b.not_(inside)), self.region():
-                self.record(acc.buffer, last)
+                self.record(buf, last)
             ok = b.and_(ok, inside)
         with b.if_then(ok), self.region():
             self.sgemm(g)
@@ -547,9 +550,9 @@ class _KernelEmitter:
         OpenBLAS's sgemm runs it at a third of sgemv's speed), else sgemm."""
         ptr = lambda buf, off: self.b.gep(self.args[buf], [self.affine(off)], inbounds=True)  # noqa: E731
         if g.panel:
-            bias = [ptr(g.bias_buf, g.bias_off)] if g.bias_buf is not None else []
+            ops = [ptr(buf, base) for buf, base, _, _ in g.operands()]
             self.b.call(self.mb.tiled_product(g), [ptr(g.a_buf, g.a_off), ptr(g.b_buf, g.b_off),
-                                                   ptr(g.c_buf, g.c_off), *bias])
+                                                   ptr(g.c_buf, g.c_off), *ops])
             return
         c = lambda x: ir.Constant(I32, int(x))  # noqa: E731
         alpha, beta = ir.Constant(F32, g.alpha), ir.Constant(F32, g.beta)

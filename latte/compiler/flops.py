@@ -78,8 +78,9 @@ class _Counter:
             return sum(self.stmt(c, loops, guards) for c in s.stmts)
         if isinstance(s, Loop):
             return self.stmt(s.body, (*loops, (s.var, s.start, s.stop)), guards)
-        if isinstance(s, Gemm):
-            return (2 * s.k + (s.bias_buf is not None)) * s.m * s.n * _points(loops, guards)
+        if isinstance(s, Gemm):   # the product, then its epilogue on each element
+            epilogue = 0 if s.epilogue is None else self.stmt(s.epilogue, loops, guards)
+            return 2 * s.k * s.m * s.n * _points(loops, guards) + epilogue
         if isinstance(s, If):
             cond = self.inline(s.cond)
             here = _expr_flops(cond, loops) * _points(loops, guards)

@@ -33,6 +33,8 @@ class Stmt(Node):
 
 
 TID = "_tid"   # the thread number inside a parallel loop (0 outside): indexes per-thread buffers
+# a GEMM epilogue's row and column of the product's block, and its element of C
+EPI_ROW, EPI_COL, EPI_C = "epi.i", "epi.j", "epi.c"
 
 
 # ---------------------------------------------------------------- buffers
@@ -304,11 +306,14 @@ class Gemm(Stmt):
     vectors of ``lanes`` floats (:mod:`latte.compiler.microkernel`) instead of by BLAS.
     With ``packed`` False the tiled product reads B in place (rows ``ldb`` apart), or, with
     ``trans_b``, computes ``rows x cols`` dot products along ``k`` at a time; a ``k_block``
-    runs B in place ``k_block`` rows at a time (0: all of ``k`` at once). A tiled
-    product with a ``bias_buf`` then adds ``bias_buf[bias_off + j]`` to each element of
-    column ``j`` (with ``bias_rows``, ``bias_buf[bias_off + i]`` to row ``i``), and with
-    ``relu`` stores ``max(x, 0)`` (:mod:`latte.compiler.passes.bias`); with ``stream`` (the
-    alignment of their addresses), its full vectors past the caches
+    runs B in place ``k_block`` rows at a time (0: all of ``k`` at once). A tiled product
+    with an ``epilogue`` runs it on each element of its block as it stores it: the nest
+    ``for EPI_ROW in range(m): for EPI_COL in range(n): ...`` of element-wise assignments
+    (a bias, a batch norm, a residual add, a ReLU) in which ``Var(EPI_C)`` is the element
+    of C, ``alpha * product + beta * C``, and whatever it holds last is stored to C
+    (:mod:`latte.compiler.passes.epilogue`); with ``c_stored`` False, C's values are not
+    stored once the epilogue has run (a test forward's intermediate that nothing reads);
+    with ``stream`` (the alignment of their addresses), its full vectors past the caches
     (:mod:`latte.compiler.passes.stream`).
     """
 
@@ -330,10 +335,8 @@ class Gemm(Stmt):
     beta: float = 1.0
     panel: tuple[int, int, int] = ()
     packed: bool = True
-    bias_buf: Buffer | None = None
-    bias_off: Affine = Affine()
-    bias_rows: bool = False
-    relu: bool = False
+    epilogue: Block | None = None
+    c_stored: bool = True
     k_block: int = 0
     stream: int = 0
 
@@ -343,6 +346,27 @@ class Gemm(Stmt):
         if self.panel and self.packed:
             return -(-self.n // self.panel[1]) * self.k
         return self.n if self.trans_b else self.k
+
+    def epilogue_body(self) -> tuple:
+        """The statements the epilogue runs on each element (none without one)."""
+        if self.epilogue is None:
+            return ()
+        (rows,) = self.epilogue.stmts
+        (cols,) = rows.body.stmts
+        return cols.body.stmts
+
+    def operands(self) -> tuple[tuple[Buffer, Affine, int, int], ...]:
+        """The buffers the epilogue reads and writes, each ``(buffer, offset of its element
+        for the block's (0, 0), step per row, step per column)``, once each, in order."""
+        refs = (n for s in self.epilogue_body() for n in walk(s) if isinstance(n, Ref))
+        return remembered(self, "_operands", lambda: tuple(dict.fromkeys(map(operand, refs))))
+
+
+def operand(ref: Ref) -> tuple[Buffer, Affine, int, int]:
+    """A ref of a GEMM epilogue as the operand it reads or writes (:meth:`Gemm.operands`)."""
+    off = ref.offset()
+    return (ref.buffer, Affine.build({v: c for v, c in off.terms if v not in (EPI_ROW, EPI_COL)},
+                                     off.const), off.coef(EPI_ROW), off.coef(EPI_COL))
 
 
 @dataclass(frozen=True)
@@ -525,10 +549,6 @@ def _visit_accesses(n: Node, loops: tuple, out: list[Access]) -> None:
             Access(n.b_buf, n.b_off, False, block=((n.ldb, n.b_rows), (1, b_cols)),
                    loops=loops),
             Access(n.c_buf, n.c_off, True, block=((n.ldc, n.m), (1, n.n)), loops=loops)))
-        if n.bias_buf is not None:
-            count = n.m if n.bias_rows else n.n
-            out.append(Access(n.bias_buf, n.bias_off, False, block=((count, 1), (1, count)),
-                              loops=loops))
     for c in children(n):
         _visit_accesses(c, loops, out)
 

@@ -28,6 +28,8 @@ from dataclasses import replace
 
 from llvmlite import ir
 
+from latte.compiler.ir import EPI_C, Assign, Const, Load, Ref, UnaryOp, Var, operand
+
 F32, I64 = ir.FloatType(), ir.IntType(64)
 
 MAX_ROWS = 8   # more rows of A broadcast per step outrun the first-level cache's streams
@@ -181,12 +183,12 @@ def dot_tile(m: int, n: int, lanes: int, registers: int) -> tuple[int, int]:
 
 
 def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Function,
-         counted, bias: ir.Value | None = None) -> None:
+         counted, ops: list) -> None:
     """The product ``g`` (a :class:`~latte.compiler.ir.Gemm` with a ``panel``), with ``a``,
-    ``bp`` and ``c`` pointing at its A, B and C blocks (and ``bias`` at its bias, added to
-    each column, or with ``bias_rows`` each row, as a tile is stored; then, with ``relu``,
-    ``max(x, 0)``: :func:`_finish`); ``fma``: ``llvm.fma`` on vectors of
-    ``g.panel[2]`` floats; ``counted(name, lo, hi, body)``: codegen's loop. B is packed
+    ``bp`` and ``c`` pointing at its A, B and C blocks (and ``ops`` at its epilogue's
+    operands, ``g.operands()``, run as a tile is stored: :func:`_finish`); ``fma``:
+    ``llvm.fma`` on vectors of ``g.panel[2]`` floats; ``counted(name, lo, hi, body)``:
+    codegen's loop. B is packed
     (panels ``k * cols`` apart, rows ``cols``) or read in place (panels ``cols`` apart,
     rows ``ldb``); B read transposed in place: :func:`emit_dot`. Where A has more rows than
     B has columns and is read along its rows, the tiles go row block by row block, so that
@@ -194,13 +196,13 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
     transposed spreads a block over ``k`` lines: those products ran slower so); else panel
     by panel, each staying in cache over every row block. The :func:`dot_columns` of a B read
     in place are copied transposed to the stack, and each row block's dot products with
-    them follow its panels. A ``k_block``: C scaled by ``beta`` (and the bias added) first,
-    then all of that per block of ``k``, each adding to C (the last one taking ``max(x, 0)``
-    with ``relu``). B's rows starting off a vector's boundary, or aliasing in the first-level
-    cache, are copied, a block at a time, to rows of whole vectors on the stack
-    (:func:`realigned`) that the tiles read whole."""
+    them follow its panels. A ``k_block``: C scaled by ``beta`` first, then all of that per
+    block of ``k``, each adding to C (the last one running the epilogue). B's rows starting
+    off a vector's boundary, or aliasing in the first-level cache, are copied, a block at a
+    time, to rows of whole vectors on the stack (:func:`realigned`) that the tiles read
+    whole."""
     if g.trans_b:
-        emit_dot(b, g, a, bp, c, fma, counted, bias)
+        emit_dot(b, g, a, bp, c, fma, counted, ops)
         return
     step = g.k_block or g.k
     dots = 0 if g.packed else dot_columns(g.n, step, g.panel[2], g.trans_a)
@@ -214,28 +216,30 @@ def emit(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Fun
         aligned = b.alloca(F32, size=_i64(step * width))
         aligned.align = 64
 
-    def sweep(part, a_at, b_at, part_bias) -> None:   # ``part``: g over one block of k
+    def sweep(part, a_at, b_at) -> None:   # ``part``: g over one block of k
         if aligned is not None:
             _realign(b, part, b_at, aligned, width, counted)
             part, b_at = replace(part, ldb=width), aligned
-        _sweep(b, part, a_at, b_at, c, fma, counted, part_bias, dots, copy, aligned is not None)
+        _sweep(b, part, a_at, b_at, c, fma, counted, ops, dots, copy, aligned is not None)
 
     if step == g.k:
-        sweep(g, a, bp, bias)
+        sweep(g, a, bp)
         return
-    _scale(b, g, c, bias, counted)   # C = beta * C + bias, then every block adds to it
+    _scale(b, g, c, counted)   # C = beta * C, then every block adds to it
     blocks, rest = divmod(g.k, step)
-    later = replace(g, k=step, beta=1.0, relu=False)
+    later = replace(g, k=step, beta=1.0, epilogue=None, c_stored=True)
 
     def block(kk, part) -> None:   # the block of k from step ``kk``
-        sweep(part, b.gep(a, [kk]), b.gep(bp, [b.mul(kk, _i64(g.ldb))]), None)
+        sweep(part, b.gep(a, [kk]), b.gep(bp, [b.mul(kk, _i64(g.ldb))]))
 
-    looped = blocks - (g.relu and not rest)   # the last block, with relu, after the loop
+    last = g.epilogue is not None and not rest   # the last block, with the epilogue, after the loop
+    looped = blocks - last
     counted("mk.kblock", _i64(0), _i64(looped), lambda t: block(b.mul(t, _i64(step)), later))
-    if looped < blocks:
-        block(_i64(looped * step), replace(later, relu=True))
+    if last:
+        block(_i64(looped * step), replace(later, epilogue=g.epilogue, c_stored=g.c_stored))
     if rest:
-        block(_i64(blocks * step), replace(later, k=rest, relu=g.relu))
+        block(_i64(blocks * step), replace(later, k=rest, epilogue=g.epilogue,
+                                           c_stored=g.c_stored))
 
 
 def _realign(b, g, bp, aligned, width: int, counted) -> None:
@@ -254,36 +258,33 @@ def _realign(b, g, bp, aligned, width: int, counted) -> None:
     counted("mk.realign", _i64(0), _i64(g.k), row)
 
 
-def _scale(b, g, c, bias, counted) -> None:
-    """``C = beta * C (+ the bias of each column or row)`` over ``g``'s block of C (0 for a
-    ``beta`` of 0, whatever C held)."""
+def _scale(b, g, c, counted) -> None:
+    """``C = beta * C`` over ``g``'s block of C (0 for a ``beta`` of 0, whatever C held)."""
     def element(i, j) -> None:
         ptr = b.gep(c, [b.add(b.mul(i, _i64(g.ldc)), j)])
         x = ir.Constant(F32, 0.0)
         if g.beta != 0.0:
             x = b.fmul(ir.Constant(F32, g.beta), b.load(ptr))
-        if bias is not None:
-            x = b.fadd(x, b.load(_bias_at(b, g, bias, i, j)))
         b.store(x, ptr)
 
     counted("mk.scale", _i64(0), _i64(g.m),
             lambda i: counted("mk.scale.col", _i64(0), _i64(g.n), lambda j: element(i, j)))
 
 
-def _sweep(b, g, a, bp, c, fma, counted, bias, dots: int, copy, padded: bool = False) -> None:
+def _sweep(b, g, a, bp, c, fma, counted, ops, dots: int, copy, padded: bool = False) -> None:
     """:func:`emit`'s tiles over all of ``g`` (one block of ``k``), ``dots`` columns of them
     through ``copy``; ``padded``: B's rows are whole vectors (zeros past ``n``)."""
     rows, cols, lanes = g.panel
     full, tail = divmod(g.n - dots, cols)
     whole, rest = divmod(g.m, rows)
     panel_size = g.k * cols if g.packed else cols
-    last = _dot_columns(b, g, a, bp, c, bias, dots, copy, fma, counted) if dots else None
+    last = _dot_columns(b, g, a, bp, c, ops, dots, copy, fma, counted) if dots else None
 
     def tiles(p, first: int, width: int, row, height: int) -> None:
         """The ``height`` rows from ``row`` times panel ``p + first`` (``width`` columns)."""
         at = b.add(b.mul(p, _i64(panel_size)), _i64(first * panel_size))
         col = b.add(b.mul(p, _i64(cols)), _i64(first * cols))
-        _tile(b, g, a, b.gep(bp, [at]), c, row, col, height, width, fma, bias, padded)
+        _tile(b, g, a, b.gep(bp, [at]), c, row, col, height, width, fma, ops, padded)
 
     def panels(row, height: int) -> None:   # every panel, one row block
         if full:
@@ -317,7 +318,7 @@ def _sweep(b, g, a, bp, c, fma, counted, bias, dots: int, copy, padded: bool = F
             last(_i64(whole * rows), rest)
 
 
-def _dot_columns(b, g, a, bp, c, bias, dots: int, copy, fma, counted):
+def _dot_columns(b, g, a, bp, c, ops, dots: int, copy, fma, counted):
     """The last ``dots`` columns of ``g``'s B (read in place) copied transposed to ``copy``,
     and a function emitting, for a block of rows, their dot products with those rows of A
     (tiles of as many rows as keep the accumulators, the rows' vectors and one of B in 32
@@ -332,18 +333,17 @@ def _dot_columns(b, g, a, bp, c, bias, dots: int, copy, fma, counted):
     counted("mk.copy", _i64(0), _i64(g.k), column)
     shifted = replace(g, n=dots, ldb=g.k, trans_b=True)
     c_at = b.gep(c, [_i64(first)])
-    bias_at = bias if bias is None or g.bias_rows else b.gep(bias, [_i64(first)])
     height = max(1, 31 // (dots + 1))
 
     def rows_of(row, count: int) -> None:
         for top in range(0, count, height):
             _dot_tile(b, shifted, a, copy, c_at, b.add(row, _i64(top)), _i64(0),
-                      min(height, count - top), dots, fma, bias_at)
+                      min(height, count - top), dots, fma, ops, first)
 
     return rows_of
 
 
-def _tile(b, g, a, panel, c, row, col, rows: int, width: int, fma, bias,
+def _tile(b, g, a, panel, c, row, col, rows: int, width: int, fma, ops,
           padded: bool = False) -> None:
     """``C[row:row + rows, col:col + width] (=|+=) A[row:row + rows, :] @ panel`` (whole
     vectors of it loaded where B is packed or ``padded``)."""
@@ -383,8 +383,8 @@ def _tile(b, g, a, panel, c, row, col, rows: int, width: int, fma, bias,
         line = b.gep(c, [b.add(b.mul(b.add(row, _i64(i)), _i64(g.ldc)), col)])
         for j in range(vecs):
             count = min(lanes, width - j * lanes)
-            _store(b, g, b.gep(line, [_i64(j * lanes)]), accs[i][j], count, fma,
-                   _bias(b, g, bias, b.add(row, _i64(i)), b.add(col, _i64(j * lanes)), vec, count))
+            _store(b, g, b.gep(line, [_i64(j * lanes)]), accs[i][j], count, fma, ops,
+                   b.add(row, _i64(i)), b.add(col, _i64(j * lanes)))
 
 
 def _load(b, at, vec: ir.VectorType, count: int) -> ir.Value:
@@ -398,42 +398,104 @@ def _load(b, at, vec: ir.VectorType, count: int) -> ir.Value:
     return out
 
 
-def _bias_at(b, g, bias, row, col) -> ir.Value:
-    """A pointer to the bias of element ``(row, col)``: its row's with ``g.bias_rows``,
-    else its column's."""
-    return b.gep(bias, [row if g.bias_rows else col])
+def _finish(b, g, x: ir.Value, ops: list, row, col, count: int) -> ir.Value:
+    """What C's ``count`` elements from ``(row, col)`` of ``g``'s block hold after its
+    epilogue, ``x`` their values before it (a vector, or one float); the other buffers'
+    elements it assigns are stored. Each operation as the nest it replaces wrote it, in its
+    order (:mod:`latte.compiler.passes.epilogue`); ``max`` and ``min`` compare as codegen's."""
+    if g.epilogue is None:
+        return x
+    vec = x.type if isinstance(x.type, ir.VectorType) else None
+    where = {op: i for i, op in enumerate(g.operands())}
+    values, written = {EPI_C: x}, {}
+
+    def at(ref) -> tuple[int, ir.Value]:
+        i = where[operand(ref)]
+        _, _, rows, cols = g.operands()[i]
+        return i, b.gep(ops[i], [b.add(b.mul(row, _i64(rows)), b.mul(col, _i64(cols)))])
+
+    def load(ref) -> ir.Value:
+        i, ptr = at(ref)
+        if i in written:
+            return written[i]
+        if vec is None:
+            return b.load(ptr)
+        if g.operands()[i][3] == 0:
+            return _splat(b, b.load(ptr), vec)
+        return _load(b, ptr, vec, count)
+
+    def value(e) -> ir.Value:
+        if isinstance(e, Const):
+            c = ir.Constant(F32, float(e.value))
+            return c if vec is None else ir.Constant(vec, [c.constant] * vec.count)
+        if isinstance(e, Var):
+            return values[e.name]
+        if isinstance(e, Load):
+            return load(e.ref)
+        if isinstance(e, UnaryOp):
+            return b.fneg(value(e.operand))
+        lhs, rhs = value(e.lhs), value(e.rhs)
+        if e.op in ("max", "min"):
+            return b.select(b.fcmp_ordered(">" if e.op == "max" else "<", lhs, rhs), lhs, rhs)
+        return {"+": b.fadd, "-": b.fsub, "*": b.fmul, "/": b.fdiv}[e.op](lhs, rhs)
+
+    ptrs = {}
+    for s in _assignments(g.epilogue_body()):
+        v = value(s.value)
+        if isinstance(s.target, Var):
+            values[s.target.name] = v
+        else:
+            i, ptrs[i] = at(s.target)
+            written[i] = v
+    for i, v in written.items():
+        _put(b, v, ptrs[i], count)
+    return values[EPI_C]
 
 
-def _bias(b, g, bias, row, col, vec: ir.VectorType, count: int) -> ir.Value | None:
-    """The bias of the ``count`` lanes of row ``row`` from column ``col`` as a vector (one
-    value for the row's lanes with ``bias_rows``), or None without a bias."""
-    if bias is None:
-        return None
-    if g.bias_rows:
-        return _splat(b, b.load(_bias_at(b, g, bias, row, col)), vec)
-    if count == vec.count:
-        return b.load(b.bitcast(_bias_at(b, g, bias, row, col), vec.as_pointer()), align=4)
-    out = ir.Constant(vec, None)
-    for lane in range(count):   # no read past the bias
-        out = b.insert_element(out, b.load(_bias_at(b, g, bias, row, b.add(col, _i64(lane)))),
-                               _i64(lane))
-    return out
+def epilogue_key(g) -> tuple:
+    """What ``g``'s epilogue computes, its buffers left out: its statements with each ref as
+    its operand's place and steps (:func:`~latte.compiler.codegen.tiled_key`)."""
+    where = {op: i for i, op in enumerate(g.operands())}
+
+    def key(n):
+        if isinstance(n, Ref):
+            op = operand(n)
+            return ("ref", where[op], *op[2:])
+        if isinstance(n, Const):
+            return ("const", float(n.value))
+        if isinstance(n, Var):
+            return ("var", n.name)
+        if isinstance(n, Load):
+            return ("load", key(n.ref))
+        if isinstance(n, UnaryOp):
+            return (n.op, key(n.operand))
+        if isinstance(n, Assign):
+            return ("=", key(n.target), key(n.value))
+        return (n.op, key(n.lhs), key(n.rhs))
+    return tuple(key(s) for s in _assignments(g.epilogue_body()))
 
 
-def _finish(b, g, x: ir.Value, bias: ir.Value | None) -> ir.Value:
-    """``x`` (the sum for C) plus ``bias``, then with ``g.relu`` ``max(x, 0)``, in the order
-    and with the comparison of the nests they replace (:mod:`latte.compiler.passes.bias`)."""
-    if bias is not None:
-        x = b.fadd(x, bias)
-    if g.relu:
-        zero = ir.Constant(x.type, None)
-        x = b.select(b.fcmp_ordered(">", x, zero), x, zero)
-    return x
+def _assignments(stmts) -> list:
+    """The assignments of ``stmts`` in order (an assignment a pass dropped is an empty
+    block)."""
+    return [t for s in stmts for t in ((s,) if isinstance(s, Assign) else _assignments(s.stmts))]
 
 
-def _store(b, g, at, acc, count: int, fma, bias) -> None:
-    """``C = alpha * acc + beta * C`` (then :func:`_finish` with ``bias``, a vector) for the
-    first ``count`` lanes at ``at``."""
+def _put(b, x: ir.Value, at, count: int) -> None:
+    """Store ``x`` (a vector or one float) at ``at``: only its first ``count`` lanes."""
+    if not isinstance(x.type, ir.VectorType):
+        b.store(x, at)
+    elif count == x.type.count:
+        b.store(x, b.bitcast(at, x.type.as_pointer()), align=4)
+    else:
+        for lane in range(count):
+            b.store(b.extract_element(x, _i64(lane)), b.gep(at, [_i64(lane)]))
+
+
+def _store(b, g, at, acc, count: int, fma, ops, row, col) -> None:
+    """``C = alpha * acc + beta * C``, then :func:`_finish`, for the first ``count`` lanes
+    at ``at``, element ``(row, col)`` of the block (C left as it was without
+    ``c_stored``)."""
     vec = acc.type
     if g.alpha != 1.0:
         acc = b.fmul(acc, _splat(b, ir.Constant(F32, g.alpha), vec))
@@ -441,23 +503,24 @@ def _store(b, g, at, acc, count: int, fma, bias) -> None:
         ptr = b.bitcast(at, vec.as_pointer())
         if g.beta != 0.0:
             acc = b.call(fma, [_splat(b, ir.Constant(F32, g.beta), vec), b.load(ptr, align=4), acc])
+        x = _finish(b, g, acc, ops, row, col, count)
+        if not g.c_stored:
+            return
         if g.stream:   # :mod:`latte.compiler.passes.stream`
-            store = b.store(_finish(b, g, acc, bias), ptr, align=g.stream)
+            store = b.store(x, ptr, align=g.stream)
             store.set_metadata("nontemporal", b.module.add_metadata([ir.IntType(32)(1)]))
         else:
-            b.store(_finish(b, g, acc, bias), ptr, align=4)
+            b.store(x, ptr, align=4)
         return
-    for lane in range(count):   # a last partial panel: the lanes that lie in C
-        ptr = b.gep(at, [_i64(lane)])
-        x = b.extract_element(acc, _i64(lane))
-        if g.beta != 0.0:
-            x = b.fadd(x, b.fmul(ir.Constant(F32, g.beta), b.load(ptr)))
-        b.store(_finish(b, g, x, None if bias is None else b.extract_element(bias, _i64(lane))),
-                ptr)
+    if g.beta != 0.0:   # a last partial panel: the lanes that lie in C
+        acc = b.fadd(acc, b.fmul(_splat(b, ir.Constant(F32, g.beta), vec), _load(b, at, vec, count)))
+    x = _finish(b, g, acc, ops, row, col, count)
+    if g.c_stored:
+        _put(b, x, at, count)
 
 
 def emit_dot(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir.Function,
-             counted, bias: ir.Value | None = None) -> None:
+             counted, ops: list) -> None:
     """``C (=|+=) A @ B^T`` where A (``m x k``) and B (``n x k``) both run along ``k``, as
     a convolution's weight gradient reads the output gradient and the gathered windows
     (pixels innermost in both): ``rows x cols`` dot products at a time, each accumulated in
@@ -484,7 +547,7 @@ def emit_dot(b: ir.IRBuilder, g, a: ir.Value, bp: ir.Value, c: ir.Value, fma: ir
                 _loop(b, counted, "mk.outer", o_count, row)
 
     def dot(i, j, r: int, s: int) -> None:
-        _dot_tile(b, g, a, bp, c, i, j, r, s, fma, bias)
+        _dot_tile(b, g, a, bp, c, i, j, r, s, fma, ops)
 
     if g.n >= g.m:   # columns outside: B's rows stay in L1 while A's blocks stream
         sweep(runs(g.n, cols), runs(g.m, rows), lambda j, i, s, r: dot(i, j, r, s))
@@ -500,8 +563,9 @@ def _loop(b, counted, name: str, count: int, body) -> None:
         counted(name, _i64(0), _i64(count), body)
 
 
-def _dot_tile(b, g, a, bp, c, row, col, rows: int, cols: int, fma, bias) -> None:
-    """``C[row:row + rows, col:col + cols] (=|+=) A[row:row + rows, :] @ B[col:col + cols, :]^T``."""
+def _dot_tile(b, g, a, bp, c, row, col, rows: int, cols: int, fma, ops, first: int = 0) -> None:
+    """``C[row:row + rows, col:col + cols] (=|+=) A[row:row + rows, :] @ B[col:col + cols, :]^T``
+    (C and the epilogue's operands from column ``first`` of the block)."""
     lanes = g.panel[2]
     vec = ir.VectorType(F32, lanes)
     a_rows = [b.gep(a, [b.mul(b.add(row, _i64(i)), _i64(g.lda))]) for i in range(rows)]
@@ -550,9 +614,9 @@ def _dot_tile(b, g, a, bp, c, row, col, rows: int, cols: int, fma, bias) -> None
                 x = b.fmul(ir.Constant(F32, g.alpha), x)
             if g.beta != 0.0:
                 x = b.fadd(x, b.fmul(ir.Constant(F32, g.beta), b.load(ptr)))
-            add = None if bias is None else b.load(
-                _bias_at(b, g, bias, b.add(row, _i64(i)), b.add(col, _i64(j))))
-            b.store(_finish(b, g, x, add), ptr)
+            x = _finish(b, g, x, ops, b.add(row, _i64(i)), b.add(col, _i64(first + j)), 1)
+            if g.c_stored:
+                b.store(x, ptr)
 
 
 def _lane_sums(b, vectors: list, lanes: int) -> list:

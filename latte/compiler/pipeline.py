@@ -48,8 +48,8 @@ from latte.compiler.passes import (
     prune_dead_gradients,
     tile_loops,
 )
-from latte.compiler.passes.bias import fold_bias
 from latte.compiler.passes.coalesce import coalesce_loops
+from latte.compiler.passes.epilogue import fold_epilogues
 from latte.compiler.passes.gather_grads import gather_input_grads
 from latte.compiler.passes.guards import split_guards
 from latte.compiler.passes.pack import measure_in_place, pack_weights, tile_in_place
@@ -401,8 +401,9 @@ STEPS = (
     Step("pack_weights", 2, _pack_weights, per_kernel=False),
     # the other GEMMs over an A that stays in cache, B read along its rows: tiled, B in place
     Step("tile_gemms", 2, _tile_gemms, per_kernel=False),
-    # a bias added to a tiled product's rows: added as the product stores its tiles
-    Step("fold_bias", 2, lambda c, k: fold_bias(k)),
+    # an element-wise nest after a tiled product (a bias, a batch norm, an add, a ReLU): run
+    # on each element as the product stores its tiles
+    Step("fold_epilogues", 2, lambda c, k: fold_epilogues(k)),
     Step("localize_recomputed", 3, _localize_recomputed, per_kernel=False),
     # a loop testing its index against padding: the tests only where they can fail
     Step("split_guards", 1, lambda c, k: split_guards(k)),

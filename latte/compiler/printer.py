@@ -101,14 +101,14 @@ def fmt_stmt(s, indent: int = 0) -> list[str]:
                 + (f" (k in blocks of {s.k_block})" if s.k_block else "")
         else:
             call, ta = "sgemm(", ta + tb
-        bias = "" if s.bias_buf is None else (f", + {s.bias_buf.name}[{fmt_expr(s.bias_off)}:] per "
-                                              f"{'row' if s.bias_rows else 'column'}")
-        bias += ", then max(x, 0)" if s.relu else ""
-        bias += ", streamed stores" if s.stream else ""
-        return [f"{pad}{call}{ta}, m={s.m}, n={s.n}, k={s.k}, "
+        streamed = (", streamed stores" if s.stream else "") + ("" if s.c_stored else ", C not stored")
+        head = (f"{pad}{call}{ta}, m={s.m}, n={s.n}, k={s.k}, "
                 f"A={s.a_buf.name}[{fmt_expr(s.a_off)}:] lda={s.lda}, "
                 f"B={s.b_buf.name}[{fmt_expr(s.b_off)}:] {b}, "
-                f"C={s.c_buf.name}[{fmt_expr(s.c_off)}:] ldc={s.ldc}, beta={s.beta:g}{bias})"]
+                f"C={s.c_buf.name}[{fmt_expr(s.c_off)}:] ldc={s.ldc}, beta={s.beta:g}{streamed})")
+        if s.epilogue is None:
+            return [head]
+        return [head + ", each element then:", *fmt_stmt(s.epilogue, indent + 1)]
     return [pad + repr(s)]
 
 

@@ -10,6 +10,7 @@ from latte.compiler.buffers import BufferPlan, storage_owner
 from latte.compiler.fingerprint import shape
 from latte.compiler.ir import Block, Kernel, accesses
 from latte.compiler.passes import drop_stores, keep_in_locals, localize
+from latte.compiler.passes.epilogue import unstored
 from latte.compiler.program import AFTER_LOOP, BEFORE_LOOP, HostStep, Segment, TimeSteps
 from latte.compiler.synthesis import zero_loop
 from latte.errors import CompileError
@@ -105,7 +106,7 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list 
             elsewhere = hosts | looped | outside | {a.buffer for j, f in enumerate(found)
                                                     if j != i for a in f}
             inner = set(values[:-1]) - {values[-1]} - elsewhere
-            kernel = localize(keep_in_locals(kernel, inner), inner, bufs)
+            kernel = localize(keep_in_locals(unstored(kernel, inner), inner), inner, bufs)
         if kernel is not k:
             test[k.name] = kernel
     originals = {s.name: s for s in forward if isinstance(s, Segment)}

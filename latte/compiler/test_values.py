@@ -51,12 +51,12 @@ def test_values(program) -> dict:
 def _first_use(node, buf) -> str | None:
     """How ``node`` first touches ``buf`` in execution order: ``"store"`` (every element it
     writes is overwritten), ``"update"`` (``+=``, a GEMM adding to it) or ``"read"``."""
-    if isinstance(node, Gemm):
-        if buf in (node.a_buf, node.b_buf, node.bias_buf):
+    if isinstance(node, Gemm):   # its product, then its epilogue
+        if buf in (node.a_buf, node.b_buf):
             return "read"
         if node.c_buf is buf:
             return "store" if node.beta == 0 else "update"
-        return None
+        return None if node.epilogue is None else _first_use(node.epilogue, buf)
     if isinstance(node, (Assign, AugAssign)) and isinstance(node.target, Ref):
         found = _first_use(node.value, buf) or next(
             filter(None, (_first_use(i, buf) for i in node.target.index)), None)

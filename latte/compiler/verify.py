@@ -29,6 +29,7 @@ import islpy as isl
 
 from latte.compiler.frontend import NeuronRef
 from latte.compiler.ir import (
+    EPI_C,
     TID,
     Affine,
     Assign,
@@ -339,7 +340,7 @@ def verify_kernel(kernel: Kernel) -> None:
     captures an enclosing loop's variable."""
     threads = max([b.shape[0] for b in _per_thread(kernel)] or [1])
     locals_ = {n.target.name for n in walk(kernel.body)
-               if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Var)}
+               if isinstance(n, (Assign, AugAssign)) and isinstance(n.target, Var)} | {EPI_C}
     where = f"ensemble {kernel.ensemble.name!r} ({kernel.name})" if kernel.ensemble is not None \
         else kernel.name
 
@@ -371,8 +372,8 @@ def verify_kernel(kernel: Kernel) -> None:
                     raise fail(scope, f"index {_fmt(idx)} (dimension {dim}) of "
                                       f"{node.buffer.name} ranges over {fmt_range(rng)}, outside "
                                       f"its extent {n} (view {node.view})")
-        if isinstance(node, Gemm):
-            for acc in accesses(node):
+        if isinstance(node, Gemm):   # its operands' blocks (its epilogue's refs: above)
+            for acc in (a for a in accesses(node) if a.index is None):
                 rng = index_range(acc.offset, acc.buffer.size - acc.span, scope, threads)
                 if rng is not None:
                     raise fail(scope, f"GEMM block of {acc.buffer.name} starts at "

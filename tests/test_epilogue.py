@@ -1,7 +1,7 @@
-"""Bias folding (:mod:`latte.compiler.passes.bias`): a bias nest after a tiled product (and
-a ReLU after it) is applied as the product stores its tiles. Folded nets give the same bits
-as unfolded ones and agree with level 0; nests that do not add a bias to (or take the ReLU
-of) exactly the product's output stay."""
+"""Epilogue folding (:mod:`latte.compiler.passes.epilogue`): an element-wise nest after a
+tiled product (a bias, a ReLU, a batch norm and a residual add) runs as the product stores
+its tiles. Folded nets give the same bits as unfolded ones and agree with level 0; nests
+that do not assign exactly the product's region, element for element, stay."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from latte.compiler.ir import (
     BinOp,
     Block,
     Buffer,
+    Call,
     Const,
     Gemm,
     Kernel,
@@ -29,7 +30,7 @@ from latte.compiler.ir import (
     Ref,
     walk,
 )
-from latte.compiler.passes.bias import fold_bias
+from latte.compiler.passes.epilogue import fold_epilogues
 from latte.stdlib import (
     ConvolutionLayer,
     FullyConnectedLayer,
@@ -51,8 +52,8 @@ def _kernels(net: Net) -> list[Kernel]:
 
 def _biased(net: Net) -> set[str]:
     """The biases added by tiled products in ``net``'s forward and test code."""
-    return {g.bias_buf.name for k in _kernels(net) for g in walk(k.body)
-            if isinstance(g, Gemm) and g.bias_buf is not None}
+    return {op[0].name for k in _kernels(net) for g in walk(k.body) if isinstance(g, Gemm)
+            for op in g.operands() if op[0].name.endswith(".bias")}
 
 
 def _bias_nests(net: Net) -> set[str]:
@@ -112,7 +113,7 @@ def test_folded_biases_give_the_same_bits(monkeypatch, build, classes, outputs, 
     vector_registers(monkeypatch, 512, 32)
     monkeypatch.setenv("LATTE_IN_PLACE", "1")
     folded = build(3)
-    monkeypatch.setenv("LATTE_FOLD_BIAS", "0")
+    monkeypatch.setenv("LATTE_FOLD_EPILOGUES", "0")
     apart, base = build(3), build(0)
     assert not _biased(apart) and not _biased(folded) & _bias_nests(folded)
     assert _biased(folded) | _bias_nests(folded) == _bias_nests(apart)
@@ -133,10 +134,12 @@ def test_a_conv_tile_adds_its_bias_per_channel_and_takes_the_relu_as_it_stores(m
     monkeypatch.setenv("LATTE_IN_PLACE", "1")
     net = _convnet(3)
     gemms = [g for k in _kernels(net) for g in walk(k.body) if isinstance(g, Gemm)
-             and g.bias_buf is not None and g.bias_buf.name in ("c1.bias", "c2.bias")]
-    assert gemms and all(g.bias_rows and g.relu for g in gemms)
+             and {op[0].name for op in g.operands()} & {"c1.bias", "c2.bias"}]
+    assert gemms and all([op[2:] for op in g.operands()] == [(1, 0)] for g in gemms)
+    assert all(any(isinstance(n, BinOp) and n.op == "max" for n in walk(g.epilogue))
+               for g in gemms)
     assert not any(isinstance(n, Assign) and isinstance(n.value, BinOp) and n.value.op == "max"
-                   and n.target.buffer in {g.c_buf for g in gemms}
+                   and isinstance(n.target, Ref) and n.target.buffer in {g.c_buf for g in gemms}
                    for k in _kernels(net) for n in walk(k.body))
 
 
@@ -163,20 +166,29 @@ def _split_product(rows: bool, beta: float = 0.0) -> Loop:
 
 
 def _nest(rows: int = M, target: Buffer = C, by_row: bool = False, op: str = "+",
-          bias: bool = True, relu: Buffer | None = None, floor: float = 0.0) -> Loop:
-    """``target[i, j] += bias[j]`` over ``rows`` rows (``bias[i]`` with ``by_row``), then,
-    given ``relu``, ``relu[i, j] = max(relu[i, j], floor)``."""
+          bias: bool = True, relu: Buffer | None = None, floor: float = 0.0,
+          source: Buffer | None = None, call: bool = False) -> Loop:
+    """``target[i, j] op= bias[j]`` over ``rows`` rows (``bias[i]`` with ``by_row``;
+    ``exp(bias[j])`` with ``call``), then, given ``relu``, ``relu[i, j] = max(source[i, j],
+    floor)`` (``source`` ``relu`` if None)."""
     i, j = Affine.of("i"), Affine.of("j")
+    value = Load(Ref(BIAS, (i if by_row else j, Affine()), (N, 1)))
     stmts = (AugAssign(Ref(target, (i, j), (M, N)), op,
-                       Load(Ref(BIAS, (i if by_row else j, Affine()), (N, 1)))),) * bias
+                       Call("exp", (value,)) if call else value),) * bias
     if relu is not None:
         at = Ref(relu, (i, j), (M, N))
-        stmts += (Assign(at, BinOp("max", Load(at), Const(floor))),)
+        stmts += (Assign(at, BinOp("max", Load(Ref(source or relu, (i, j), (M, N))),
+                                   Const(floor))),)
     return Loop("i", 0, rows, Block((Loop("j", 0, N, Block(stmts)),)), LoopKind.PARALLEL)
 
 
 def _fold(*stmts) -> tuple:
-    return fold_bias(Kernel("k", Block(stmts))).body.stmts
+    return fold_epilogues(Kernel("k", Block(stmts))).body.stmts
+
+
+def _ops(body: Block) -> list[str]:
+    """The operators of an epilogue's statements, in order."""
+    return [n.op for n in walk(body) if isinstance(n, BinOp)]
 
 
 @pytest.mark.parametrize("rows", [True, False])
@@ -184,47 +196,60 @@ def _fold(*stmts) -> tuple:
 def test_the_bias_follows_each_threads_block(rows, beta):
     (loop,) = _fold(_split_product(rows, beta), _nest())
     g = loop.body.stmts[0]
-    assert g.bias_buf is BIAS and g.beta == beta
     # columns split: thread _c's block starts at column 32 * _c, and so does its bias
-    assert g.bias_off == (Affine() if rows else Affine.of("_c", N // 2))
-    assert not g.bias_rows and not g.relu
+    assert g.operands() == ((BIAS, Affine() if rows else Affine.of("_c", N // 2), 0, 1),)
+    assert g.beta == beta and _ops(g.epilogue) == ["+"]
 
 
 @pytest.mark.parametrize("rows", [True, False])
 def test_a_bias_per_row_follows_each_threads_rows(rows):
     (loop,) = _fold(_split_product(rows), _nest(by_row=True, relu=C))
     g = loop.body.stmts[0]
-    assert g.bias_buf is BIAS and g.bias_rows and g.relu
     # rows split: thread _c's block starts at row 4 * _c, and so does its bias
-    assert g.bias_off == (Affine.of("_c", M // 2) if rows else Affine())
+    assert g.operands() == ((BIAS, Affine.of("_c", M // 2) if rows else Affine(), 1, 0),)
+    assert _ops(g.epilogue) == ["+", "max"]
 
 
 def test_a_relu_alone_and_a_product_inside_a_tile_loop_fold():
     (loop,) = _fold(_split_product(False), _nest(bias=False, relu=C))
-    assert loop.body.stmts[0].relu and loop.body.stmts[0].bias_buf is None
+    assert not loop.body.stmts[0].operands() and _ops(loop.body.stmts[0].epilogue) == ["max"]
     tiles = Loop("t", 0, 3, Block((_split_product(True), _nest())))
     ((inner,),) = [s.body.stmts for s in _fold(tiles)]
-    assert inner.body.stmts[0].bias_buf is BIAS
+    assert [op[0] for op in inner.body.stmts[0].operands()] == [BIAS]
 
 
 def test_a_relu_is_folded_into_blocks_of_k():
     """A product run in blocks of ``k`` (each adding to C) takes the bias and the ReLU too:
-    its last block applies ``max(x, 0)`` to the finished sum (the micro-kernel's tests check
-    the numbers)."""
+    its last block runs them on the finished sum (the micro-kernel's tests check the
+    numbers)."""
     product = _split_product(False)
     blocked = replace(product, body=Block((replace(product.body.stmts[0], k_block=2),)))
     (folded,) = _fold(blocked, _nest(relu=C))
-    assert folded.body.stmts[0].relu and folded.body.stmts[0].bias_buf is BIAS
+    assert _ops(folded.body.stmts[0].epilogue) == ["+", "max"]
+
+
+def test_a_nest_into_another_buffer_and_one_after_it_fold():
+    """Any element-wise arithmetic over the product's element folds: a product, then its
+    clamp at 1 into another buffer, then a second nest (the product scaled by the column's
+    bias): the second nest's statements run after the first's. A third nest, which touches
+    the other buffer alone, stays (its place in the product's blocks is not C's)."""
+    out = Buffer(("out",), "out", (M, N))
+    third = _nest(target=out)
+    loop, rest = _fold(_split_product(False), _nest(bias=False, relu=out, floor=1.0, source=C),
+                       _nest(op="*"), third)
+    g = loop.body.stmts[0]
+    assert [op[0] for op in g.operands()] == [out, BIAS]
+    assert _ops(g.epilogue) == ["max", "*"] and rest is third
 
 
 @pytest.mark.parametrize("nest", [
     _nest(rows=M // 2),            # half the product's rows
-    _nest(target=A),               # another buffer
-    _nest(op="*"),                 # not an add
-    _nest(relu=A),                 # the ReLU of another buffer
-    _nest(relu=C, floor=1.0),      # not a ReLU
+    _nest(target=A),               # another buffer alone: no element of the product
+    _nest(relu=A),                 # writes the product's A
+    _nest(bias=False, relu=A, source=C),   # the same, from C
+    _nest(call=True),              # a function the epilogue does not compute
 ])
-def test_nests_other_than_a_bias_over_the_output_stay(nest):
+def test_nests_other_than_element_wise_arithmetic_over_the_output_stay(nest):
     product = _split_product(False)
     assert _fold(product, nest) == (product, nest)
 
@@ -233,5 +258,5 @@ def test_blas_products_and_the_switch_keep_the_nest(monkeypatch):
     product = _split_product(False)
     blas = Loop("_c", 0, 2, Block((replace(product.body.stmts[0], panel=()),)), LoopKind.PARALLEL)
     assert len(_fold(blas, _nest())) == 2
-    monkeypatch.setenv("LATTE_FOLD_BIAS", "0")
+    monkeypatch.setenv("LATTE_FOLD_EPILOGUES", "0")
     assert len(_fold(product, _nest())) == 2
