@@ -9,9 +9,10 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from helpers import assert_scaled_close, run_alike, vector_registers
+from helpers import WeightedSumLoss, assert_scaled_close, run_alike, vector_registers
 
-from latte import Net
+import latte.stdlib as stdlib
+from latte import Net, Phase
 from latte.compiler import Segment, TimeSteps
 from latte.compiler.ir import (
     Affine,
@@ -31,6 +32,8 @@ from latte.compiler.ir import (
     walk,
 )
 from latte.compiler.passes.epilogue import fold_epilogues
+from latte.compiler.program import HostStep
+from latte.compiler.schedule import _fold_across
 from latte.stdlib import (
     ConvolutionLayer,
     FullyConnectedLayer,
@@ -40,6 +43,7 @@ from latte.stdlib import (
     ReLULayer,
     SoftmaxLossLayer,
 )
+from latte.zoo.nets import bottleneck
 
 
 def _kernels(net: Net) -> list[Kernel]:
@@ -147,6 +151,56 @@ def test_products_blas_runs_keep_their_nests(monkeypatch):
     monkeypatch.setenv("LATTE_PACK", "0")
     net = _mlp(3)
     assert not _biased(net) and _bias_nests(net) == {"fc1.bias", "fc2.bias", "out.bias"}
+
+
+def _bottleneck(level: int, batch: int) -> Net:
+    """A ResNet bottleneck with a strided 1x1 projection (a stage's first block), batch
+    norm statistics and parameters away from 0 and 1."""
+    net = Net(batch, opt_level=level, num_threads=2, seed=0)
+    x = MemoryDataLayer(net, "x", (16, 14, 14))
+    WeightedSumLoss(net, "loss", bottleneck(stdlib, "b", net, x, 8, 2))
+    net.init()
+    rng = np.random.default_rng(1)
+    for p in net.params:
+        p.value[...] += 0.3 * rng.standard_normal(p.value.shape)
+    for key, v in net.state.items():
+        v[...] = rng.uniform(0.5, 2.0, v.shape) if key.endswith("var") else rng.standard_normal(v.shape)
+    net.value(x)[...] = rng.standard_normal(net.value(x).shape)
+    return net
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_test_forward_runs_batch_norm_add_and_relu_as_the_products_epilogue(monkeypatch,
+                                                                              batch):
+    """The test forward of a bottleneck at opt 3: the 1x1 convolutions' products run their
+    batch norm and ReLU (the projection's: its batch norm, the residual add and the ReLU)
+    as they store their tiles, and store no C of their own (nothing reads it). The output and
+    every training gradient equal level 0's; the training forward keeps its nests."""
+    vector_registers(monkeypatch, 512, 32)
+    monkeypatch.setenv("LATTE_IN_PLACE", "1")
+    fused, plain = _bottleneck(3, batch), _bottleneck(0, batch)
+    tested = {g.c_buf.name.split(".")[0]: g for step in fused.program.test
+              if isinstance(step, Segment) for k in step.kernels for g in walk(k.body)
+              if isinstance(g, Gemm)}
+    # at batch 2 the first batch norm starts a skewed group with the 3x3 convolution
+    for conv in ("b_conv1", "b_conv3", "b_proj")[batch - 1:]:
+        g = tested[conv]
+        assert g.epilogue is not None and not g.c_stored, conv
+        assert {f"{conv}_bn.scale", f"{conv}_bn_mean.value"} <= {op[0].name for op in g.operands()}
+    assert "b_add.value" in {op[0].name for op in tested["b_proj"].operands()}
+    trained = [g for step in fused.program.forward if isinstance(step, Segment)
+               for k in step.kernels for g in walk(k.body) if isinstance(g, Gemm)]
+    assert trained and not any(op[0].name.endswith("_bn.scale") for g in trained
+                               for op in g.operands())
+    for phase in (Phase.TEST, Phase.TRAIN, Phase.TEST):
+        for net in (fused, plain):
+            net.forward(phase)
+        assert_scaled_close(fused.value("b_relu"), plain.value("b_relu"), 1e-5, f"{phase}")
+        if phase is Phase.TRAIN:
+            fused.backward()
+            plain.backward()
+            for p, q in zip(fused.params, plain.params, strict=True):
+                assert_scaled_close(p.grad, q.grad, 1e-4, f"gradient of {p.name}")
 
 
 # ---------------------------------------------------------------- the pass on IR
@@ -260,3 +314,18 @@ def test_blas_products_and_the_switch_keep_the_nest(monkeypatch):
     assert len(_fold(blas, _nest())) == 2
     monkeypatch.setenv("LATTE_FOLD_EPILOGUES", "0")
     assert len(_fold(product, _nest())) == 2
+
+
+def test_a_nest_in_the_next_kernel_folds_into_the_product_of_the_test_forward():
+    """The test forward folds across kernels (and segments) where nothing runs between
+    them: the product's kernel and the nest's are then one kernel, named for both; a host
+    step between them keeps them apart."""
+    product, nest = Kernel("p", Block((_split_product(False),))), Kernel("q", Block((_nest(),)))
+    other = Kernel("r", Block((_nest(target=A),)))
+    steps, pairs = _fold_across([Segment("s0", (product,)), Segment("s1", (nest, other))])
+    ((merged, rest),) = [s.kernels for s in steps]
+    assert merged.name == "p+q" and pairs == {"p+q": (product, nest)} and rest is other
+    assert [op[0] for op in merged.body.stmts[0].body.stmts[0].operands()] == [BIAS]
+    host = HostStep(None, "test")
+    apart = [Segment("s0", (product,)), host, Segment("s1", (nest,))]
+    assert _fold_across(apart) == (apart, {})

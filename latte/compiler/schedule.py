@@ -10,7 +10,7 @@ from latte.compiler.buffers import BufferPlan, storage_owner
 from latte.compiler.fingerprint import shape
 from latte.compiler.ir import Block, Kernel, accesses
 from latte.compiler.passes import drop_stores, keep_in_locals, localize
-from latte.compiler.passes.epilogue import unstored
+from latte.compiler.passes.epilogue import fold_pair, unstored
 from latte.compiler.program import AFTER_LOOP, BEFORE_LOOP, HostStep, Segment, TimeSteps
 from latte.compiler.synthesis import zero_loop
 from latte.errors import CompileError
@@ -81,7 +81,7 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list 
     statistics' partial sums) do not run: their values are stale in TEST.
     Each of ``test_groups`` (fused in this phase alone) runs its kernel ``"test"`` in place
     of its members' kernels."""
-    steps = _with_test_groups(_hoist_and_prune(forward, bufs), test_groups)
+    steps, pairs = _fold_across(_with_test_groups(_hoist_and_prune(forward, bufs), test_groups))
     kernels = [k for s in steps if isinstance(s, Segment) for k in s.kernels]
     found = [accesses(k.body) for k in kernels]
     hosts = {bufs.value(i) for s in steps if isinstance(s, HostStep)
@@ -90,19 +90,23 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list 
     read = hosts | looped | {a.buffer for f in found for a in f if not a.written}
     dead = {a.buffer for f in found for a in f if a.written and a.buffer.batched
             and a.buffer.key[1] not in ("value", "grad")} - read
-    owners = {g.owner("forward").kernels["forward"].name: g for g in groups}
-    owners |= {g.owner("forward").kernels["test"].name: g for g in test_groups}
+    members = {g.owner("forward").kernels["forward"].name: [p.ensemble for p in g.plans]
+               for g in groups}
+    members |= {g.owner("forward").kernels["test"].name: [p.ensemble for p in g.plans]
+                for g in test_groups}
+    for name, (a, b) in pairs.items():   # a kernel and the next one folded into it: a group
+        members[name] = members.get(a.name, [a.ensemble]) + members.get(b.name, [b.ensemble])
     test = {}
     for i, k in enumerate(kernels):
         kernel = drop_stores(k, dead)
-        if k.name in owners:
-            plans = owners[k.name].plans
+        if k.name in members:
+            ensembles = members[k.name]
             # the buffers the kernels access (a zero-copy join's, for its inputs)
-            values = [bufs.value_home(p.ensemble) for p in plans]
+            values = [bufs.value_home(e) for e in ensembles]
             # an in-place activation of an input from outside the group (a data ensemble)
             # reads that input's buffer: it is no intermediate of the group
-            outside = {v for p, v in zip(plans, values) if storage_owner(p.ensemble)
-                       not in {q.ensemble for q in plans}}
+            outside = {v for e, v in zip(ensembles, values)
+                       if storage_owner(e) not in set(ensembles)}
             elsewhere = hosts | looped | outside | {a.buffer for j, f in enumerate(found)
                                                     if j != i for a in f}
             inner = set(values[:-1]) - {values[-1]} - elsewhere
@@ -117,6 +121,39 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list 
             s = originals[s.name] if ks == originals[s.name].kernels else Segment(f"test_{s.name}", ks)
         out.append(s)
     return out
+
+
+def _fold_across(steps: list) -> tuple[list, dict]:
+    """``steps`` where a kernel ends with a tiled product and the next one (of its segment,
+    or the first of the next segment) starts with an element-wise nest over the product's
+    output, as one kernel: the nest folded into the product
+    (:func:`~latte.compiler.passes.epilogue.fold_pair`; a ResNet's strided 1x1 projection,
+    which the planner leaves out of its batch norm, add and ReLU's group); and the kernels
+    each new one joins, by its name. The two run as a fused group: what the first writes
+    and only the second reads is an intermediate of theirs."""
+    out, pairs = [], {}
+    for s in steps:
+        if not isinstance(s, Segment):
+            out.append(s)
+            continue
+        prev = out.pop() if out and isinstance(out[-1], Segment) else None
+        kernels = list(prev.kernels) if prev is not None else []
+        for k in s.kernels:
+            a = kernels[-1] if kernels else None
+            folded = fold_pair(a.body.stmts[-1], k.body.stmts[0]) if (
+                a is not None and a.body.stmts and k.body.stmts) else None
+            if folded is None:
+                kernels.append(k)
+                continue
+            merged = replace(a, name=f"{a.name}+{k.name}",
+                             body=Block((*a.body.stmts[:-1], folded, *k.body.stmts[1:])))
+            pairs[merged.name] = (a, k)
+            kernels[-1] = merged
+        if prev is not None and kernels[:len(prev.kernels)] == list(prev.kernels):
+            out += [prev, Segment(s.name, tuple(kernels[len(prev.kernels):]))]
+        else:
+            out.append(Segment((prev or s).name, tuple(kernels)))
+    return out, pairs
 
 
 def _with_test_groups(steps: list, groups: list) -> list:

@@ -253,3 +253,20 @@ def _residual(rng, net, name, src, pool):
 
 
 LAYERS.append(Layer("residual", lambda src: image(src) and min(src.shape[1:]) >= 2, _residual))
+
+
+# ---- a 1x1 convolution, its batch norm, perhaps a residual added, a ReLU (issue 13): the
+# test forward's product runs the tail as it stores its tiles
+# (:mod:`latte.compiler.passes.epilogue`), a C that nothing else reads not stored; a 1x1
+# convolution widens the source first (products too small stay loops)
+def _conv_tail(rng, net, name, src, pool):
+    width = int(rng.integers(12, 17))
+    wide = ConvolutionLayer(f"{name}w", net, src, width, 1)
+    out = _batchnorm(rng, net, f"{name}n", ConvolutionLayer(
+        f"{name}c", net, wide, width, 1, bias=bool(rng.random() < 0.5)), pool)
+    if rng.random() < 0.5:
+        out = AddLayer(f"{name}a", net, out, wide)
+    return ReLULayer(name, net, out)
+
+
+LAYERS.append(Layer("conv_tail", image, _conv_tail))

@@ -53,6 +53,7 @@ from latte.compiler.ir import (
     rewrite,
     rewrite_statements,
     substitute,
+    touched,
     walk,
 )
 
@@ -71,7 +72,7 @@ def _block(block: Block) -> Block:
     out: list = []
     for s in block.stmts:
         s = _inner(s)
-        folded = _fold(out[-1], s) if out else None
+        folded = fold_pair(out[-1], s) if out else None
         if folded is None:
             out.append(s)
         else:
@@ -91,7 +92,7 @@ def _inner(s):
     return s
 
 
-def _fold(first, second):
+def fold_pair(first, second):
     """``first`` (a tiled product, or a parallel loop running one per iteration) with the
     nest ``second`` folded in; or, where both are loops over the same range around one
     statement each (a batch loop around a product, then one around the nest), that loop
@@ -100,16 +101,23 @@ def _fold(first, second):
 
 
 def _fold_inside(first, second):
-    """Both loops as one: the nest of item ``i`` runs after the product of item ``i``, which
-    writes nothing the nest's items but ``i`` read (C's blocks of other items) and reads
-    nothing the nest writes (:func:`_safe`)."""
+    """Both loops as one, the nest folded into the first loop's last statement: the nest of
+    item ``i`` runs after the product of item ``i``, which writes nothing the nest's items
+    but ``i`` read (C's blocks of other items) and reads nothing the nest writes
+    (:func:`_safe`); the first loop's other statements touch nothing the nest writes and
+    write nothing it reads."""
     if not (isinstance(first, Loop) and isinstance(second, Loop)
             and (first.start, first.stop) == (second.start, second.stop)
-            and len(first.body.stmts) == len(second.body.stmts) == 1):
+            and first.body.stmts and len(second.body.stmts) == 1):
         return None
-    inner = _fold(first.body.stmts[0],
-                  substitute(second.body.stmts[0], {second.var: Affine.of(first.var)}))
-    return None if inner is None else replace(first, body=Block((inner,)))
+    nest = substitute(second.body.stmts[0], {second.var: Affine.of(first.var)})
+    before = Block(first.body.stmts[:-1])
+    written = {a.buffer for a in accesses(before) if a.written}
+    if touched(nest) & written or touched(before) & {a.buffer for a in accesses(nest)
+                                                      if a.written}:
+        return None
+    inner = fold_pair(first.body.stmts[-1], nest)
+    return None if inner is None else replace(first, body=Block((*before.stmts, inner)))
 
 
 def _fold_here(first, second):
