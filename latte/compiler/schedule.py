@@ -9,7 +9,7 @@ from dataclasses import replace
 from latte.compiler.buffers import BufferPlan, storage_owner
 from latte.compiler.fingerprint import shape
 from latte.compiler.ir import Block, Kernel, accesses
-from latte.compiler.passes import drop_stores, keep_in_locals, localize
+from latte.compiler.passes import drop_stores, epilogue, keep_in_locals, localize
 from latte.compiler.passes.epilogue import fold_pair, unstored
 from latte.compiler.program import AFTER_LOOP, BEFORE_LOOP, HostStep, Segment, TimeSteps
 from latte.compiler.synthesis import zero_loop
@@ -133,7 +133,7 @@ def _fold_across(steps: list) -> tuple[list, dict]:
     and only the second reads is an intermediate of theirs."""
     out, pairs = [], {}
     for s in steps:
-        if not isinstance(s, Segment):
+        if not isinstance(s, Segment) or not epilogue.enabled():
             out.append(s)
             continue
         prev = out.pop() if out and isinstance(out[-1], Segment) else None

@@ -63,9 +63,11 @@ ROW, COL = "epilogue.i", "epilogue.j"   # a nest's row and column, named as no l
 
 def fold_epilogues(kernel: Kernel) -> Kernel:
     """``kernel`` with each element-wise nest that follows a tiled product folded into it."""
-    if os.environ.get("LATTE_FOLD_EPILOGUES") == "0":
-        return kernel
-    return replace(kernel, body=_block(kernel.body))
+    return replace(kernel, body=_block(kernel.body)) if enabled() else kernel
+
+
+def enabled() -> bool:
+    return os.environ.get("LATTE_FOLD_EPILOGUES") != "0"
 
 
 def _block(block: Block) -> Block:
