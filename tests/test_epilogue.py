@@ -318,14 +318,16 @@ def test_blas_products_and_the_switch_keep_the_nest(monkeypatch):
 
 def test_a_nest_in_the_next_kernel_folds_into_the_product_of_the_test_forward():
     """The test forward folds across kernels (and segments) where nothing runs between
-    them: the product's kernel and the nest's are then one kernel, named for both; a host
-    step between them keeps them apart."""
+    them: the nest's kernel, its nest now the product's epilogue, keeps its other
+    statements (none here) and its place, in the product's segment; a host step between
+    them keeps them apart."""
     product, nest = Kernel("p", Block((_split_product(False),))), Kernel("q", Block((_nest(),)))
     other = Kernel("r", Block((_nest(target=A),)))
     steps, pairs = _fold_across([Segment("s0", (product,)), Segment("s1", (nest, other))])
-    ((merged, rest),) = [s.kernels for s in steps]
-    assert merged.name == "p+q" and pairs == {"p+q": (product, nest)} and rest is other
-    assert [op[0] for op in merged.body.stmts[0].body.stmts[0].operands()] == [BIAS]
+    ((folded, emptied, rest),) = [s.kernels for s in steps]
+    assert pairs == {"p": (product, nest)} and rest is other
+    assert folded.name == "p" and emptied.name == "q" and not emptied.body.stmts
+    assert [op[0] for op in folded.body.stmts[0].body.stmts[0].operands()] == [BIAS]
     host = HostStep(None, "test")
     apart = [Segment("s0", (product,)), host, Segment("s1", (nest,))]
     assert _fold_across(apart) == (apart, {})

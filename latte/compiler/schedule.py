@@ -95,7 +95,7 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list 
     members |= {g.owner("forward").kernels["test"].name: [p.ensemble for p in g.plans]
                 for g in test_groups}
     for name, (a, b) in pairs.items():   # a kernel and the next one folded into it: a group
-        members[name] = members.get(a.name, [a.ensemble]) + members.get(b.name, [b.ensemble])
+        members[name] = members.get(name, [a.ensemble]) + members.get(b.name, [b.ensemble])
     test = {}
     for i, k in enumerate(kernels):
         kernel = drop_stores(k, dead)
@@ -125,12 +125,13 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list 
 
 def _fold_across(steps: list) -> tuple[list, dict]:
     """``steps`` where a kernel ends with a tiled product and the next one (of its segment,
-    or the first of the next segment) starts with an element-wise nest over the product's
-    output, as one kernel: the nest folded into the product
-    (:func:`~latte.compiler.passes.epilogue.fold_pair`; a ResNet's strided 1x1 projection,
-    which the planner leaves out of its batch norm, add and ReLU's group); and the kernels
-    each new one joins, by its name. The two run as a fused group: what the first writes
-    and only the second reads is an intermediate of theirs."""
+    or the first of the next segment, then joined to this one) starts with an element-wise
+    nest over the product's output: the nest folded into the product
+    (:func:`~latte.compiler.passes.epilogue.fold_pair`; ResNet-50's strided 1x1 projections,
+    which the planner leaves out of their batch norm, add and ReLU's group), the second
+    kernel left with the rest of its statements (none, as a rule: it keeps its place and
+    name). And each first kernel's name -> the two kernels as they were: they run as a
+    fused group, what the first writes and only the second reads an intermediate."""
     out, pairs = [], {}
     for s in steps:
         if not isinstance(s, Segment) or not epilogue.enabled():
@@ -142,13 +143,11 @@ def _fold_across(steps: list) -> tuple[list, dict]:
             a = kernels[-1] if kernels else None
             folded = fold_pair(a.body.stmts[-1], k.body.stmts[0]) if (
                 a is not None and a.body.stmts and k.body.stmts) else None
-            if folded is None:
-                kernels.append(k)
-                continue
-            merged = replace(a, name=f"{a.name}+{k.name}",
-                             body=Block((*a.body.stmts[:-1], folded, *k.body.stmts[1:])))
-            pairs[merged.name] = (a, k)
-            kernels[-1] = merged
+            if folded is not None:
+                pairs[a.name] = (a, k)
+                kernels[-1] = replace(a, body=Block((*a.body.stmts[:-1], folded)))
+                k = replace(k, body=Block(k.body.stmts[1:]))
+            kernels.append(k)
         if prev is not None and kernels[:len(prev.kernels)] == list(prev.kernels):
             out += [prev, Segment(s.name, tuple(kernels[len(prev.kernels):]))]
         else:

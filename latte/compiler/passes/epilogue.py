@@ -67,6 +67,7 @@ def fold_epilogues(kernel: Kernel) -> Kernel:
 
 
 def enabled() -> bool:
+    """Is folding on (``LATTE_FOLD_EPILOGUES`` not ``0``)?"""
     return os.environ.get("LATTE_FOLD_EPILOGUES") != "0"
 
 
@@ -96,9 +97,9 @@ def _inner(s):
 
 def fold_pair(first, second):
     """``first`` (a tiled product, or a parallel loop running one per iteration) with the
-    nest ``second`` folded in; or, where both are loops over the same range around one
-    statement each (a batch loop around a product, then one around the nest), that loop
-    around the first's statement with the second's folded in; else None."""
+    nest ``second`` folded in; or, where both are loops over the same range (a batch loop
+    around a product, then one around the nest), one loop with the second's statement
+    folded into the first's last (:func:`_fold_inside`); else None."""
     return _fold_here(first, second) or _fold_inside(first, second)
 
 
@@ -143,7 +144,6 @@ def _fold_here(first, second):
             *(rewrite(s, lambda n: _placed(n, shift)) for s in stmts))
     if not _safe(body, pieces[0]):
         return None
-
     return rewrite_statements(first, lambda g: replace(g, epilogue=epilogue(g.m, g.n, body))
                               if isinstance(g, Gemm) else None)
 
@@ -215,9 +215,9 @@ def _nest(s, g: Gemm):
     if len(chain) < 2 or any(not isinstance(lp, Loop) or lp.start != 0 for lp in chain):
         return None
     ones = {lp.var: Affine() for lp in chain if lp.extent == 1}   # a loop of one item: 0
-    chain = [lp for lp in chain if lp.extent > 1]
     stmts = [substitute(Assign(t.target, BinOp(t.op, Load(t.target), t.value), t.loc)
-                        if isinstance(t, AugAssign) else t, ones) for t in _body(s)]
+                        if isinstance(t, AugAssign) else t, ones) for t in chain[-1].body.stmts]
+    chain = [lp for lp in chain if lp.extent > 1]
     if not chain or not stmts or not all(isinstance(t, Assign) and isinstance(t.target, Ref)
                                          for t in stmts):
         return None
@@ -267,13 +267,6 @@ def _nest(s, g: Gemm):
         out.append(Assign(target, value, t.loc))
     base = Affine.build({v: k for v, k in c_off.terms if v not in nest_vars}, c_off.const)
     return base, stride, row.extent, cols, out
-
-
-def _body(s) -> tuple:
-    """The statements of the innermost loop of the perfect nest ``s``."""
-    while len(s.body.stmts) == 1 and isinstance(s.body.stmts[0], Loop):
-        s = s.body.stmts[0]
-    return s.body.stmts
 
 
 def _computable(e) -> bool:
