@@ -127,7 +127,7 @@ def test_test_forward_keeps_intermediate_values_in_the_arena(level):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     program, memory = net.program, net._memory
     names = {b.name for b in program.test_values}
-    assert "b0_conv1.value" in names and "b1_add.value" in names
+    assert "b0_conv2.value" in names and "b1_add.value" in names
     assert not names & {"x.value", "fc.value"}   # the input, the loss's input
     np.testing.assert_array_equal(net.value("b0_conv1"), trained)
     arrays = memory.test_arrays
