@@ -80,7 +80,9 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list 
     ``net.state``) run first, and kernels whose values only such steps read (the
     statistics' partial sums) do not run: their values are stale in TEST.
     Each of ``test_groups`` (fused in this phase alone) runs its kernel ``"test"`` in place
-    of its members' kernels."""
+    of its members' kernels; a nest that starts a kernel folds into the previous kernel's
+    product (:func:`_fold_across`), and a product whose output nothing but its epilogue
+    reads does not store it."""
     steps, pairs = _fold_across(_with_test_groups(_hoist_and_prune(forward, bufs), test_groups))
     kernels = [k for s in steps if isinstance(s, Segment) for k in s.kernels]
     found = [accesses(k.body) for k in kernels]
