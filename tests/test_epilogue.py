@@ -331,3 +331,46 @@ def test_a_nest_in_the_next_kernel_folds_into_the_product_of_the_test_forward():
     host = HostStep(None, "test")
     apart = [Segment("s0", (product,)), host, Segment("s1", (nest,))]
     assert _fold_across(apart) == (apart, {})
+
+
+def test_a_sum_over_the_rows_stays():
+    """``s[j] += C[i, j]``: every row writes the same elements; in tiles, in any order and
+    on any thread, the sum would come out otherwise."""
+    i, j = Affine.of("i"), Affine.of("j")
+    total = Buffer(("s",), "s", (N,))
+    nest = Loop("i", 0, M, Block((Loop("j", 0, N, Block((
+        AugAssign(Ref(total, (j,), (N,)), "+", Load(Ref(C, (i, j), (M, N)))),))),)))
+    product = _split_product(True)
+    assert _fold(product, nest) == (product, nest)
+
+
+@pytest.mark.parametrize("kind", [LoopKind.PARALLEL, LoopKind.SERIAL])
+def test_a_batch_loop_folds_into_the_products_unless_only_theirs_runs_in_parallel(kind):
+    """Per item, a product, then per item a bias nest: one loop, each item's nest in its
+    product's epilogue, where the nest's loop runs in parallel too (its items proven
+    independent) or the products' does not; a serial nest loop after parallel products
+    stays."""
+    items = Buffer(("c2",), "c2", (2, M, N))
+    g = Gemm(M, N, K, A, Affine(), K, False, B, Affine(), N, False, items,
+             Affine.of("n", M * N), N, beta=0.0, panel=(4, 32, 16), packed=False)
+    i, j = Affine.of("i"), Affine.of("j")
+    nest = Loop("i", 0, M, Block((Loop("j", 0, N, Block((AugAssign(
+        Ref(items, (Affine.of("n2"), i, j), (2, M, N)), "+",
+        Load(Ref(BIAS, (j, Affine()), (N, 1)))),))),)))
+    products = Loop("n", 0, 2, Block((g,)), LoopKind.PARALLEL)
+    folded = _fold(products, Loop("n2", 0, 2, Block((nest,)), kind))
+    if kind is LoopKind.SERIAL:
+        assert len(folded) == 2
+    else:
+        ((product,),) = [s.body.stmts for s in folded]
+        assert [op[0] for op in product.operands()] == [BIAS]
+    serial = _fold(replace(products, kind=LoopKind.SERIAL), Loop("n2", 0, 2, Block((nest,))))
+    assert len(serial) == 1 and serial[0].body.stmts[0].epilogue is not None
+
+
+def test_a_bias_over_one_row_folds():
+    """An FC layer at batch 1: its product has one row, the nest's row loop one item."""
+    g = Gemm(1, N, K, A, Affine(), K, False, B, Affine(), N, False, C, Affine(), N,
+             beta=0.0, panel=(1, 32, 16), packed=False)
+    (folded,) = _fold(g, _nest(rows=1))
+    assert [op[0] for op in folded.operands()] == [BIAS]

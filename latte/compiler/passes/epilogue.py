@@ -113,6 +113,8 @@ def _fold_inside(first, second):
             and (first.start, first.stop) == (second.start, second.stop)
             and first.body.stmts and len(second.body.stmts) == 1):
         return None
+    if first.kind is LoopKind.PARALLEL and second.kind is not LoopKind.PARALLEL:
+        return None   # the nest's items were not found independent: they stay in order
     nest = substitute(second.body.stmts[0], {second.var: Affine.of(first.var)})
     before = Block(first.body.stmts[:-1])
     written = {a.buffer for a in accesses(before) if a.written}
@@ -142,7 +144,7 @@ def _fold_here(first, second):
     shift = {ROW: Affine.of(EPI_ROW) + row, COL: Affine.of(EPI_COL) + col}
     body = (*pieces[0].epilogue_body(),   # a second nest runs after the first one's
             *(rewrite(s, lambda n: _placed(n, shift)) for s in stmts))
-    if not _safe(body, pieces[0]):
+    if not _safe(body, pieces[0], cols if rows > 1 else 0):
         return None
     return rewrite_statements(first, lambda g: replace(g, epilogue=epilogue(g.m, g.n, body))
                               if isinstance(g, Gemm) else None)
@@ -153,15 +155,17 @@ def epilogue(m: int, n: int, body) -> Block:
     return Block((Loop(EPI_ROW, 0, m, Block((Loop(EPI_COL, 0, n, Block(tuple(body))),))),))
 
 
-def _safe(body: tuple, g: Gemm) -> bool:
+def _safe(body: tuple, g: Gemm, apart: int) -> bool:
     """Can ``g`` run ``body`` on each element as it stores it: every buffer it writes (but
-    C) is written at the element alone (its columns contiguous), read nowhere else by it,
-    and read by no product?"""
+    C) is written at an element of its own for each element of the region (columns
+    contiguous, rows at least ``apart`` elements apart: the tiles may go in any order, on
+    any thread), read nowhere else by it, and read by no product?"""
     written = {}
     for t in body:
         if isinstance(t.target, Ref):
             off = t.target.offset()
-            if (off.coef(EPI_COL) != 1 or t.target.buffer in (g.a_buf, g.b_buf, g.c_buf)
+            if (off.coef(EPI_COL) != 1 or abs(off.coef(EPI_ROW)) < apart
+                    or t.target.buffer in (g.a_buf, g.b_buf, g.c_buf)
                     or written.setdefault(t.target.buffer, off) != off):
                 return False
     return all(n.offset() == written[n.buffer] for t in body for n in walk(t)
@@ -203,9 +207,10 @@ def _values(loop: Loop | None) -> range:
 
 def _nest(s, g: Gemm):
     """``(base, stride, rows, cols, stmts)``: ``s`` is a perfect nest of element-wise
-    statements over a region of ``g``'s C, ``C[base + stride * row + col]``: one of its loops
-    walks the rows, the others (in any order: the statements touch other elements nowhere)
-    the columns, contiguous in C (a tile's rows of pixels); ``stmts`` are its statements over
+    statements over a region of ``g``'s C, ``C[base + stride * row + col]``: its loops walk
+    the columns, contiguous in C and no wider than its rows (a tile's rows of pixels), and
+    one loop the rows, if the region has more than one (in any order: the statements touch
+    other elements nowhere; loops of one item are no loops); ``stmts`` are its statements over
     :data:`ROW` and :data:`COL`, C's element as ``Var(EPI_C)``, where an epilogue can run
     them; else None."""
     chain = [s]
@@ -226,16 +231,16 @@ def _nest(s, g: Gemm):
     if not c_offs or c_offs[0] is None or any(o != c_offs[0] for o in c_offs):
         return None
     c_off = c_offs[0]
-    *columns, row = sorted(chain, key=lambda lp: c_off.coef(lp.var))   # the row: widest
-    cols, col_terms = 1, {}
-    for lp in columns:   # the columns: 1 apart, then as wide as those before
-        if c_off.coef(lp.var) != cols:
-            return None
-        col_terms[lp.var] = cols
-        cols *= lp.extent
-    row_var, stride = row.var, c_off.coef(row.var)
-    if stride < cols:
+    cols, col_terms, rows = 1, {}, []
+    for lp in sorted(chain, key=lambda lp: c_off.coef(lp.var)):
+        if not rows and c_off.coef(lp.var) == cols and cols * lp.extent <= g.ldc:
+            col_terms[lp.var] = cols   # the columns: 1 apart, then as wide as those before
+            cols *= lp.extent
+        else:
+            rows.append(lp)
+    if len(rows) > 1 or (rows and c_off.coef(rows[0].var) < cols):
         return None
+    row_var, stride = (rows[0].var, c_off.coef(rows[0].var)) if rows else (None, g.ldc)
     nest_vars = {lp.var for lp in chain}
 
     def flat(off: Affine | None) -> Affine | None:   # over ROW and COL, or None
@@ -245,7 +250,8 @@ def _nest(s, g: Gemm):
         if any(off.coef(v) != col * k for v, k in col_terms.items()):
             return None
         rest = {v: k for v, k in off.terms if v not in nest_vars}
-        return Affine.build({**rest, ROW: off.coef(row_var), COL: col}, off.const)
+        return Affine.build({**rest, ROW: off.coef(row_var) if row_var else 0, COL: col},
+                            off.const)
 
     if any(flat(r.offset()) is None for t in stmts for r in walk(t)
            if isinstance(r, Ref) and r.buffer is not g.c_buf):
@@ -266,7 +272,7 @@ def _nest(s, g: Gemm):
         target = element if t.target.buffer is g.c_buf else placed(t.target)
         out.append(Assign(target, value, t.loc))
     base = Affine.build({v: k for v, k in c_off.terms if v not in nest_vars}, c_off.const)
-    return base, stride, row.extent, cols, out
+    return base, stride, rows[0].extent if rows else 1, cols, out
 
 
 def _computable(e) -> bool:
