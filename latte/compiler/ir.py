@@ -358,8 +358,8 @@ class Gemm(Stmt):
     def operands(self) -> tuple[tuple[Buffer, Affine, int, int], ...]:
         """The buffers the epilogue reads and writes, each ``(buffer, offset of its element
         for the block's (0, 0), step per row, step per column)``, once each, in order."""
-        refs = (n for s in self.epilogue_body() for n in walk(s) if isinstance(n, Ref))
-        return remembered(self, "_operands", lambda: tuple(dict.fromkeys(map(operand, refs))))
+        return remembered(self, "_operands", lambda: tuple(dict.fromkeys(
+            operand(n) for s in self.epilogue_body() for n in walk(s) if isinstance(n, Ref))))
 
 
 def operand(ref: Ref) -> tuple[Buffer, Affine, int, int]:

@@ -10,7 +10,6 @@ from latte.compiler.buffers import BufferPlan, storage_owner
 from latte.compiler.fingerprint import shape
 from latte.compiler.ir import Block, Kernel, accesses
 from latte.compiler.passes import drop_stores, epilogue, keep_in_locals, localize
-from latte.compiler.passes.epilogue import fold_pair, unstored
 from latte.compiler.program import AFTER_LOOP, BEFORE_LOOP, HostStep, Segment, TimeSteps
 from latte.compiler.synthesis import zero_loop
 from latte.errors import CompileError
@@ -112,7 +111,7 @@ def test_steps(forward: list, groups: list, bufs: BufferPlan, test_groups: list 
             elsewhere = hosts | looped | outside | {a.buffer for j, f in enumerate(found)
                                                     if j != i for a in f}
             inner = set(values[:-1]) - {values[-1]} - elsewhere
-            kernel = localize(keep_in_locals(unstored(kernel, inner), inner), inner, bufs)
+            kernel = localize(keep_in_locals(epilogue.unstored(kernel, inner), inner), inner, bufs)
         if kernel is not k:
             test[k.name] = kernel
     originals = {s.name: s for s in forward if isinstance(s, Segment)}
@@ -143,7 +142,7 @@ def _fold_across(steps: list) -> tuple[list, dict]:
         kernels = list(prev.kernels) if prev is not None else []
         for k in s.kernels:
             a = kernels[-1] if kernels else None
-            folded = fold_pair(a.body.stmts[-1], k.body.stmts[0]) if (
+            folded = epilogue.fold_pair(a.body.stmts[-1], k.body.stmts[0]) if (
                 a is not None and a.body.stmts and k.body.stmts) else None
             if folded is not None:
                 pairs[a.name] = (a, k)
